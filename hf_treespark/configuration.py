@@ -1,0 +1,150 @@
+"""TreeSparkConfig: every knob of the drafter and of its tree policy."""
+
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+
+
+class TreeSparkConfig(PretrainedConfig):
+    r"""Configuration of a [`TreeSparkDrafter`].
+
+    The drafter is a small transformer that drafts `block_size` future tokens in one forward
+    pass, conditioned on hidden states of its target model (SPEC section 1).
+
+    Args:
+        target_hidden_size: hidden size `d_target` of the target model; the drafter shares the
+            target's token embeddings and LM head, so its residual width equals this.
+        target_vocab_size: vocabulary size `V` of the target.
+        target_num_hidden_layers: number of decoder layers of the target.
+        target_layer_ids: target layers whose outputs feed the drafter (0-based layer index `l`,
+            read from HF's `hidden_states[l + 1]`). Never the last layer. Defaults to an even
+            spread over the target's depth.
+        target_name_or_path: the target the drafter was trained for (informative, written to the
+            model card).
+        block_size: `B`, number of draft depths per block.
+        mask_token_id: id used for the `B - 1` mask slots. `None` gives the drafter a learned
+            mask embedding of its own (for targets without a spare token id).
+        num_hidden_layers: draft transformer layers.
+        num_attention_heads / num_key_value_heads / head_dim: draft attention shape. `head_dim`
+            is the TreeSpark capacity knob (192; DSpark uses 128).
+        intermediate_size: SwiGLU width of the draft MLP.
+        markov_rank: rank `r` of the Markov (parent-token) correction head.
+        use_confidence_head: whether the confidence head `c_k(y)` exists.
+        tree_topk: children proposed per frontier parent (`k`).
+        tree_frontier: frontier width kept per depth.
+        tree_budget: number of non-root tree nodes packed for verification (`N`).
+    """
+
+    model_type = "treespark"
+
+    def __init__(
+        self,
+        target_hidden_size: int = 576,
+        target_vocab_size: int = 49152,
+        target_num_hidden_layers: int = 30,
+        target_layer_ids: list[int] | None = None,
+        target_name_or_path: str | None = None,
+        block_size: int = 7,
+        mask_token_id: int | None = None,
+        num_hidden_layers: int = 2,
+        num_attention_heads: int = 8,
+        num_key_value_heads: int = 4,
+        head_dim: int = 192,
+        intermediate_size: int = 1536,
+        rms_norm_eps: float = 1e-6,
+        rope_theta: float = 100000.0,
+        max_position_embeddings: int = 32768,
+        attention_bias: bool = False,
+        markov_rank: int = 256,
+        use_confidence_head: bool = True,
+        tree_topk: int = 4,
+        tree_frontier: int = 4,
+        tree_budget: int = 32,
+        initializer_range: float = 0.02,
+        **kwargs,
+    ):
+        if target_layer_ids is None:
+            target_layer_ids = default_target_layer_ids(target_num_hidden_layers)
+        self.target_hidden_size = target_hidden_size
+        self.target_vocab_size = target_vocab_size
+        self.target_num_hidden_layers = target_num_hidden_layers
+        self.target_layer_ids = [int(i) for i in target_layer_ids]
+        self.target_name_or_path = target_name_or_path
+        self.block_size = block_size
+        self.mask_token_id = mask_token_id
+        self.hidden_size = target_hidden_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads
+        self.head_dim = head_dim
+        self.intermediate_size = intermediate_size
+        self.rms_norm_eps = rms_norm_eps
+        self.rope_theta = rope_theta
+        self.max_position_embeddings = max_position_embeddings
+        self.attention_bias = attention_bias
+        self.markov_rank = markov_rank
+        self.use_confidence_head = use_confidence_head
+        self.tree_topk = tree_topk
+        self.tree_frontier = tree_frontier
+        self.tree_budget = tree_budget
+        self.initializer_range = initializer_range
+        kwargs.pop("hidden_size", None)  # always equal to target_hidden_size
+        kwargs.setdefault("tie_word_embeddings", False)
+        super().__init__(**kwargs)
+        self.validate_fields()
+
+    def validate_fields(self) -> None:
+        """Raise `ValueError` naming the first field whose value cannot work."""
+
+        def need(ok: bool, field: str, why: str) -> None:
+            if not ok:
+                raise ValueError(f"TreeSparkConfig.{field}={getattr(self, field)!r} is invalid: {why}")
+
+        for name in ("target_hidden_size", "target_vocab_size", "target_num_hidden_layers", "block_size",
+                     "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "intermediate_size", "markov_rank", "tree_topk", "tree_frontier", "tree_budget"):
+            value = getattr(self, name)
+            need(isinstance(value, int) and not isinstance(value, bool) and value > 0, name,
+                 "must be a positive integer")
+        need(len(self.target_layer_ids) > 0, "target_layer_ids", "needs at least one target layer")
+        need(all(0 <= i < self.target_num_hidden_layers - 1 for i in self.target_layer_ids), "target_layer_ids",
+             f"layer ids must lie in [0, {self.target_num_hidden_layers - 2}] (the last target layer is post-norm "
+             "in HF outputs and is never used)")
+        need(len(set(self.target_layer_ids)) == len(self.target_layer_ids), "target_layer_ids", "has duplicates")
+        need(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
+             "must divide num_attention_heads")
+        need(self.head_dim % 2 == 0, "head_dim", "must be even for rotary embeddings")
+        need(self.mask_token_id is None or 0 <= self.mask_token_id < self.target_vocab_size, "mask_token_id",
+             f"must be None (learned mask embedding) or an id in [0, {self.target_vocab_size})")
+        need(self.tree_topk <= self.target_vocab_size, "tree_topk", "cannot exceed the vocabulary size")
+
+    @classmethod
+    def for_target(cls, target, **overrides) -> TreeSparkConfig:
+        """A config sized for `target` (a model or its config): hidden size, vocabulary, layers, name."""
+        tcfg = getattr(target, "config", target)
+        tcfg = tcfg.get_text_config() if hasattr(tcfg, "get_text_config") else tcfg
+        fields = {
+            "target_hidden_size": tcfg.hidden_size,
+            "target_vocab_size": tcfg.vocab_size,
+            "target_num_hidden_layers": tcfg.num_hidden_layers,
+            "target_name_or_path": getattr(tcfg, "_name_or_path", None) or None,
+            "rms_norm_eps": getattr(tcfg, "rms_norm_eps", 1e-6),
+        }
+        fields.update(overrides)
+        return cls(**fields)
+
+    @property
+    def num_target_features(self) -> int:
+        return len(self.target_layer_ids)
+
+
+def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> list[int]:
+    """Evenly spread layer ids in `[1, num_target_layers - 2]`, e.g. 36 layers -> [1, 9, 17, 25, 33]."""
+    last = num_target_layers - 2
+    if last < 1:
+        return [0]
+    num_features = min(num_features, last)
+    if num_features == 1:
+        return [last // 2]
+    step = (last - 1) / (num_features - 1)
+    return sorted({round(1 + i * step) for i in range(num_features)})

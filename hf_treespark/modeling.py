@@ -1,0 +1,429 @@
+"""TreeSparkDrafter: the DSpark parallel block drafter with a Markov head and a confidence head.
+
+One forward pass drafts a block of `B` future tokens. The block `[x0, MASK, ..., MASK]` attends
+bidirectionally to itself and, through KV injection, to projected hidden states of the target
+model at every committed position (SPEC section 1):
+
+    ctx       = hidden_norm(fc(concat(target hidden states of `target_layer_ids`)))   [b, S, H]
+    K, V      = [k_proj(ctx) ; k_proj(block)], [v_proj(ctx) ; v_proj(block)]          per layer
+    h_k       = norm(block output at slot k - 1)                                         [b, B, H]
+    U_k       = lm_head(h_k)                                                             [b, B, V]
+    p_k(.|y)  = softmax(U_k + W2(W1[y]))              Markov head, rank r
+    c_k(y)    = sigmoid(w . [h_k ; W1[y]] + b)        confidence head
+
+The token embeddings and the LM head are the target's, frozen and never stored in the
+drafter's checkpoint: call `bind_target(target)` before use.
+
+This file imports only torch, transformers and `.configuration`, so that `save_pretrained`
+can ship it as remote code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.utils import ModelOutput
+
+from .configuration import TreeSparkConfig
+
+
+class TreeSparkRMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        dtype = hidden_states.dtype
+        hidden_states = hidden_states.float()
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(dtype)
+
+
+class TreeSparkRotaryEmbedding(nn.Module):
+    def __init__(self, config: TreeSparkConfig):
+        super().__init__()
+        self.head_dim, self.rope_theta = config.head_dim, config.rope_theta
+        self.register_buffer("inv_freq", self.compute_inv_freq(), persistent=False)
+
+    def compute_inv_freq(self, device: torch.device | None = None) -> torch.Tensor:
+        """`theta ** (-2i / head_dim)`, `[head_dim / 2]` float32. Not saved: `_init_weights` recomputes it on load."""
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim
+        return 1.0 / (self.rope_theta**exponents)
+
+    @torch.no_grad()
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids [b, s] -> cos, sin [b, 1, s, head_dim]."""
+        inv_freq = self.inv_freq
+        if inv_freq.dtype != torch.float32:  # `.to(bfloat16)` rounds buffers; rotary needs float32
+            inv_freq = self.compute_inv_freq(position_ids.device)
+        freqs = position_ids[..., None].float() * inv_freq.to(position_ids.device)  # [b, s, dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [b, heads, s, head_dim] rotated by the positions encoded in cos/sin [b, 1, s, head_dim]."""
+    return x * cos + rotate_half(x) * sin
+
+
+class DrafterContextCache:
+    """Per-layer keys/values of the projected target context, `[b, kv_heads, S, head_dim]`.
+
+    Only committed positions live here; the block's own keys/values are never cached.
+    """
+
+    def __init__(self, num_layers: int):
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+
+    def get_seq_length(self) -> int:
+        return 0 if self.keys[0] is None else self.keys[0].shape[-2]
+
+    def append(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys[layer_idx] is not None:
+            keys = torch.cat([self.keys[layer_idx], keys], dim=-2)
+            values = torch.cat([self.values[layer_idx], values], dim=-2)
+        self.keys[layer_idx], self.values[layer_idx] = keys, values
+        return keys, values
+
+
+class TreeSparkAttention(nn.Module):
+    """Block queries over `[context ; block]` keys; no causal mask (the block is bidirectional)."""
+
+    def __init__(self, config: TreeSparkConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.q_norm = TreeSparkRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = TreeSparkRMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def _kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, s, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rotary(k, cos, sin), v
+
+    def forward(
+        self,
+        block: torch.Tensor,  # [b, q, H]
+        block_rope: tuple[torch.Tensor, torch.Tensor],
+        context: torch.Tensor | None,  # [b, s_new, H] projected context not yet in the cache
+        context_rope: tuple[torch.Tensor, torch.Tensor] | None,
+        attention_mask: torch.Tensor | None,  # [b, 1, q, s_ctx + q], bool (True = attend)
+        cache: DrafterContextCache | None,
+    ) -> torch.Tensor:
+        b, q, _ = block.shape
+        query = self.q_norm(self.q_proj(block).view(b, q, self.num_heads, self.head_dim)).transpose(1, 2)
+        query = apply_rotary(query, *block_rope)
+        block_k, block_v = self._kv(block, *block_rope)
+        if context is not None:
+            ctx_k, ctx_v = self._kv(context, *context_rope)
+            if cache is not None:
+                ctx_k, ctx_v = cache.append(self.layer_idx, ctx_k, ctx_v)
+        elif cache is not None and cache.keys[self.layer_idx] is not None:
+            ctx_k, ctx_v = cache.keys[self.layer_idx], cache.values[self.layer_idx]
+        else:
+            ctx_k = ctx_v = None
+        if ctx_k is not None:
+            block_k = torch.cat([ctx_k, block_k], dim=-2)
+            block_v = torch.cat([ctx_v, block_v], dim=-2)
+        groups = self.num_heads // self.num_kv_heads
+        block_k = block_k.repeat_interleave(groups, dim=1)
+        block_v = block_v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(query, block_k, block_v, attn_mask=attention_mask)  # [b, heads, q, hd]
+        return self.o_proj(out.transpose(1, 2).reshape(b, q, self.num_heads * self.head_dim))
+
+
+class TreeSparkMLP(nn.Module):
+    def __init__(self, config: TreeSparkConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TreeSparkDecoderLayer(nn.Module):
+    def __init__(self, config: TreeSparkConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = TreeSparkAttention(config, layer_idx)
+        self.mlp = TreeSparkMLP(config)
+        self.input_layernorm = TreeSparkRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = TreeSparkRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, block, block_rope, context, context_rope, attention_mask, cache) -> torch.Tensor:
+        block = block + self.self_attn(
+            self.input_layernorm(block), block_rope, context, context_rope, attention_mask, cache
+        )
+        return block + self.mlp(self.post_attention_layernorm(block))
+
+
+class MarkovHead(nn.Module):
+    """Low-rank parent-token correction: `bias(y) = W2(W1[y])`, `W1: [V, r]`, `W2: [V, r]`."""
+
+    def __init__(self, vocab_size: int, rank: int):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+
+    def forward(self, parent_tokens: torch.Tensor) -> torch.Tensor:
+        """parent_tokens [...] -> logit correction [..., V]."""
+        return self.markov_w2(self.markov_w1(parent_tokens))
+
+
+class ConfidenceHead(nn.Module):
+    """`c_k(y) = sigmoid(w . [h_k ; W1[y]] + b)`; `forward` returns the logit (before the sigmoid)."""
+
+    def __init__(self, hidden_size: int, rank: int):
+        super().__init__()
+        self.proj = nn.Linear(hidden_size + rank, 1)
+
+    def forward(self, hidden: torch.Tensor, parent_embedding: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H], parent_embedding [..., r] -> confidence logit [...]."""
+        return self.proj(torch.cat([hidden, parent_embedding.to(hidden.dtype)], dim=-1)).squeeze(-1)
+
+
+@dataclass
+class TreeSparkDrafterOutput(ModelOutput):
+    """
+    hidden_states: `[b, A * B, H]` normed block states `h_k`, block-major (anchor `a`, slot `k - 1`).
+    depth_logits: `[b, A * B, V]` `U_k = lm_head(h_k)` in float32, when requested.
+    context_cache: the drafter's context cache, when one was passed.
+    """
+
+    hidden_states: torch.Tensor | None = None
+    depth_logits: torch.Tensor | None = None
+    context_cache: DrafterContextCache | None = None
+
+
+class TreeSparkPreTrainedModel(PreTrainedModel):
+    config_class = TreeSparkConfig
+    base_model_prefix = "treespark"
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["TreeSparkDecoderLayer"]
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, MarkovHead):
+            # Zero W2: training starts from the pure parallel drafter.
+            module.markov_w1.weight.normal_(0.0, std)
+            module.markov_w2.weight.zero_()
+        elif isinstance(module, nn.Linear):
+            module.weight.normal_(0.0, std)
+            if module.bias is not None:
+                module.bias.zero_()
+        elif isinstance(module, nn.Embedding):
+            module.weight.normal_(0.0, std)
+        elif isinstance(module, TreeSparkRMSNorm):
+            module.weight.fill_(1.0)
+        elif isinstance(module, TreeSparkRotaryEmbedding):
+            # A non-persistent buffer: from_pretrained materialises it empty and relies on this to fill it.
+            module.inv_freq.copy_(module.compute_inv_freq(module.inv_freq.device))
+        elif isinstance(module, TreeSparkDrafter) and module.mask_embedding is not None:
+            module.mask_embedding.normal_(0.0, std)
+
+
+class TreeSparkDrafter(TreeSparkPreTrainedModel):
+    """The DSpark drafter. See the module docstring for the formulas."""
+
+    def __init__(self, config: TreeSparkConfig):
+        super().__init__(config)
+        hidden = config.hidden_size
+        self.fc = nn.Linear(config.num_target_features * config.target_hidden_size, hidden, bias=False)
+        self.hidden_norm = TreeSparkRMSNorm(hidden, config.rms_norm_eps)
+        self.layers = nn.ModuleList(TreeSparkDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = TreeSparkRMSNorm(hidden, config.rms_norm_eps)
+        self.rotary_emb = TreeSparkRotaryEmbedding(config)
+        self.markov_head = MarkovHead(config.target_vocab_size, config.markov_rank)
+        self.confidence_head = ConfidenceHead(hidden, config.markov_rank) if config.use_confidence_head else None
+        self.mask_embedding = nn.Parameter(torch.zeros(hidden)) if config.mask_token_id is None else None
+        self.__dict__["_target_modules"] = None  # (embed_tokens, lm_head) of the bound target; not registered
+        self.post_init()
+
+    # ----- binding to the target -------------------------------------------------------------
+    def bind_target(self, target: nn.Module) -> TreeSparkDrafter:
+        """Share `target`'s frozen token embeddings and LM head. Refuses a target that does not fit."""
+        self.check_target(target)
+        self.__dict__["_target_modules"] = (target.get_input_embeddings(), target.get_output_embeddings())
+        self.__dict__["_bound_target_id"] = id(target)
+        return self
+
+    def check_target(self, target: nn.Module) -> None:
+        """Raise `ValueError` naming each mismatch between `target` and this drafter's config."""
+        cfg = self.config
+        tcfg = getattr(target, "config", None)
+        tcfg = tcfg.get_text_config() if hasattr(tcfg, "get_text_config") else tcfg
+        embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+        if embed is None or head is None:
+            raise ValueError("the target has no input embeddings or no LM head; TreeSpark needs a causal LM target")
+        problems = []
+        if embed.weight.shape[0] != cfg.target_vocab_size or head.weight.shape[0] != cfg.target_vocab_size:
+            problems.append(f"vocabulary size {head.weight.shape[0]} != drafter's target_vocab_size "
+                            f"{cfg.target_vocab_size}")
+        if embed.weight.shape[1] != cfg.target_hidden_size:
+            problems.append(f"hidden size {embed.weight.shape[1]} != drafter's target_hidden_size "
+                            f"{cfg.target_hidden_size}")
+        num_layers = getattr(tcfg, "num_hidden_layers", None)
+        if num_layers is not None and num_layers != cfg.target_num_hidden_layers:
+            problems.append(f"{num_layers} layers != drafter's target_num_hidden_layers "
+                            f"{cfg.target_num_hidden_layers}")
+        if problems:
+            name = cfg.target_name_or_path or "its training target"
+            raise ValueError(f"This TreeSpark drafter was built for {name} and does not fit this target: "
+                             + "; ".join(problems) + ". Load the drafter trained for this target.")
+
+    @property
+    def is_bound(self) -> bool:
+        return self.__dict__.get("_target_modules") is not None
+
+    def _target(self) -> tuple[nn.Module, nn.Module]:
+        if not self.is_bound:
+            raise RuntimeError("The drafter is not bound to a target: call drafter.bind_target(target) first "
+                               "(generate() does this for you).")
+        return self.__dict__["_target_modules"]
+
+    # ----- pieces used by tree drafting and training ------------------------------------------
+    def project_context(self, target_features: torch.Tensor) -> torch.Tensor:
+        """`ctx = hidden_norm(fc(features))`: `[b, s, n_layers * d_target] -> [b, s, H]`."""
+        return self.hidden_norm(self.fc(target_features.to(self.fc.weight.dtype)))
+
+    def block_embeddings(self, anchor_ids: torch.Tensor) -> torch.Tensor:
+        """anchor_ids [b, A] -> embeddings of `[x0, MASK * (B - 1)]` per anchor, `[b, A * B, H]`."""
+        embed, _ = self._target()
+        b, a = anchor_ids.shape
+        bsz = self.config.block_size
+        dtype = self.fc.weight.dtype
+        anchor = embed(anchor_ids).to(dtype)  # [b, A, H]
+        if self.mask_embedding is None:
+            mask = embed(torch.full_like(anchor_ids[:, :1], self.config.mask_token_id)).to(dtype)[:, :, None]
+            mask = mask.expand(b, a, bsz - 1, -1)
+        else:
+            mask = self.mask_embedding.to(dtype).expand(b, a, bsz - 1, -1)
+        return torch.cat([anchor[:, :, None], mask], dim=2).reshape(b, a * bsz, -1)
+
+    def depth_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`U_k = lm_head(h_k)` in float32: `[..., H] -> [..., V]`."""
+        _, head = self._target()
+        return head(hidden.to(head.weight.dtype)).float()
+
+    def markov_bias(self, parent_tokens: torch.Tensor) -> torch.Tensor:
+        """`W2(W1[y])` in float32: `[...] -> [..., V]`."""
+        return self.markov_head(parent_tokens).float()
+
+    def confidence(self, hidden: torch.Tensor, parent_tokens: torch.Tensor) -> torch.Tensor:
+        """`c_k(y) = sigmoid(w . [h_k ; W1[y]] + b)`: hidden [..., H], parent_tokens [...] -> [...] in (0, 1)."""
+        return torch.sigmoid(self.confidence_logit(hidden, parent_tokens))
+
+    def confidence_logit(self, hidden: torch.Tensor, parent_tokens: torch.Tensor) -> torch.Tensor:
+        if self.confidence_head is None:
+            raise ValueError("this drafter has no confidence head (config.use_confidence_head=False)")
+        return self.confidence_head(hidden, self.markov_head.markov_w1(parent_tokens))
+
+    def new_context_cache(self) -> DrafterContextCache:
+        return DrafterContextCache(self.config.num_hidden_layers)
+
+    # ----- forward ------------------------------------------------------------------------------
+    def forward(
+        self,
+        anchor_ids: torch.Tensor,
+        anchor_positions: torch.Tensor,
+        target_features: torch.Tensor | None = None,
+        context_positions: torch.Tensor | None = None,
+        context_cache: DrafterContextCache | None = None,
+        context_valid: torch.Tensor | None = None,
+        return_logits: bool = True,
+    ) -> TreeSparkDrafterOutput:
+        """Draft one block of `B` slots per anchor.
+
+        Args:
+            anchor_ids: `[b, A]` anchor tokens `x0` (last committed token, not yet seen by the target).
+            anchor_positions: `[b, A]` sequence position of each anchor.
+            target_features: `[b, s, n_layers * d_target]` target hidden states of context positions
+                not yet in `context_cache` (concatenated over `target_layer_ids`).
+            context_positions: `[b, s]` positions of those features (default: following the cache).
+            context_cache: inference cache of projected context keys/values; the new context is
+                appended to it. With a cache, every block sees the whole cached context (`A` must be 1).
+            context_valid: `[b, s]` bool, training only: which context positions exist (padding).
+                Without a cache, block `a` sees the context positions `< anchor_positions[a]`.
+            return_logits: also compute `U_k` (`[b, A * B, V]`, float32).
+        """
+        b, num_anchors = anchor_ids.shape
+        bsz = self.config.block_size
+        block = self.block_embeddings(anchor_ids)
+        block_pos = (anchor_positions[:, :, None] + torch.arange(bsz, device=anchor_ids.device)).reshape(b, -1)
+        dtype = block.dtype
+        block_rope = self.rotary_emb(block_pos, dtype)
+
+        context = context_rope = None
+        if target_features is not None and target_features.shape[1] > 0:
+            context = self.project_context(target_features)
+            if context_positions is None:
+                start = context_cache.get_seq_length() if context_cache is not None else 0
+                context_positions = torch.arange(start, start + context.shape[1], device=context.device)
+                context_positions = context_positions.expand(b, -1)
+            context_rope = self.rotary_emb(context_positions, dtype)
+
+        attention_mask = None
+        if context_cache is None:
+            attention_mask = self._training_mask(anchor_positions, context_positions, context_valid)
+        elif num_anchors != 1:
+            raise ValueError("with a context cache the drafter drafts one block at a time (anchor_ids [b, 1])")
+
+        for layer in self.layers:
+            block = layer(block, block_rope, context, context_rope, attention_mask, context_cache)
+        hidden = self.norm(block)
+        logits = self.depth_logits(hidden) if return_logits else None
+        return TreeSparkDrafterOutput(hidden_states=hidden, depth_logits=logits, context_cache=context_cache)
+
+    def _training_mask(self, anchor_positions, context_positions, context_valid) -> torch.Tensor:
+        """Bool `[b, 1, A * B, s + A * B]`: a block sees context `< anchor` and its own `B` slots."""
+        b, num_anchors = anchor_positions.shape
+        bsz = self.config.block_size
+        device = anchor_positions.device
+        q_anchor = anchor_positions.repeat_interleave(bsz, dim=1)  # [b, A * B]
+        parts = []
+        if context_positions is not None:
+            sees_ctx = context_positions[:, None, :] < q_anchor[:, :, None]  # [b, A * B, s]
+            if context_valid is not None:
+                sees_ctx = sees_ctx & context_valid[:, None, :]
+            parts.append(sees_ctx)
+        block_id = torch.arange(num_anchors, device=device).repeat_interleave(bsz)
+        parts.append((block_id[:, None] == block_id[None, :]).expand(b, -1, -1))
+        return torch.cat(parts, dim=-1)[:, None]
+
+    # ----- loading ------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """`PreTrainedModel.from_pretrained`, refusing checkpoints with missing, unexpected or misshaped weights."""
+        want_info = kwargs.pop("output_loading_info", False)
+        try:
+            model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True,
+                                                  **kwargs)
+        except Exception as err:  # corrupted safetensors raise their own error types
+            raise OSError(f"Could not load a TreeSpark drafter from {pretrained_model_name_or_path!r}: {err}") from err
+        bad = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+        if bad:
+            raise OSError(f"Refusing the TreeSpark drafter checkpoint at {pretrained_model_name_or_path!r}: it does "
+                          f"not match its config ({bad}). The file is incomplete or from another model.")
+        return (model, info) if want_info else model

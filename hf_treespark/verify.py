@@ -1,0 +1,155 @@
+"""One-forward tree verification: the tree attention mask, the acceptance walk, the cache commit.
+
+SPEC section 3. The target sees `[x0] + packed nodes` in one forward with
+`position_ids = past_len + depth` and a 4D mask letting every node attend to the committed
+prefix and to its own root-to-node path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import LogitsProcessorList
+
+from .tree import DraftTree
+
+
+def tree_attention_mask(
+    tree: DraftTree, past_len: int, dtype: torch.dtype, prefix_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Additive float mask `[b, 1, N + 1, past_len + N + 1]`: 0 where a node may attend, dtype-min elsewhere.
+
+    A float mask works for both eager and sdpa attention (eager silently misreads bool masks).
+    `prefix_mask` `[b, past_len]` (1 = real token) hides padded prefix positions.
+    """
+    b, n = tree.tokens.shape
+    device = tree.tokens.device
+    allowed_prefix = (torch.ones(b, n, past_len, dtype=torch.bool, device=device) if prefix_mask is None
+                      else prefix_mask.bool()[:, None, :].expand(b, n, past_len))
+    allowed = torch.cat([allowed_prefix, tree.ancestors], dim=-1)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[:, None]
+
+
+def tree_position_ids(tree: DraftTree, past_len: int) -> torch.Tensor:
+    """`[b, N + 1]`: each node sits at `past_len + depth`."""
+    return past_len + tree.depths
+
+
+@dataclass
+class Acceptance:
+    """Result of the acceptance walk for each batch row.
+
+    path: `[b, D + 1]` node indices of the accepted path from the root, padded with -1.
+    num_accepted: `[b]` accepted non-root nodes.
+    bonus: `[b]` the target's token after the last accepted node.
+    tokens: `[b, D + 1]` committed tokens (accepted nodes then the bonus), padded with -1.
+    scores: per committed token, the processed target scores it was chosen from (`[b, V]` each), or None.
+    """
+
+    path: torch.Tensor
+    num_accepted: torch.Tensor
+    bonus: torch.Tensor
+    tokens: torch.Tensor
+    scores: list[torch.Tensor] | None = None
+    raw_logits: list[torch.Tensor] | None = None
+
+
+def greedy_accept(tree: DraftTree, logits: torch.Tensor) -> Acceptance:
+    """Vectorised greedy walk.
+
+    `target[i] = argmax logits[i]` is the target's choice after node `i`'s path. A node is
+    correct when its token equals its parent's target choice; it is accepted when it and all
+    its ancestors are correct. Siblings carry distinct tokens, so the accepted set is one path.
+    The bonus is the target's choice at the deepest accepted node.
+    """
+    target = logits.argmax(dim=-1)  # [b, N + 1]
+    parent_choice = target.gather(1, tree.parents.clamp(min=0))
+    correct = (tree.tokens == parent_choice) | (tree.parents < 0)  # [b, N + 1]
+    accepted = ~(tree.ancestors & ~correct[:, None, :]).any(dim=-1)  # [b, N + 1]
+    depth = torch.where(accepted, tree.depths, -1)
+    last = depth.argmax(dim=-1)  # deepest accepted node
+    num_accepted = depth.max(dim=-1).values
+    return _acceptance(tree, accepted, last, num_accepted, target.gather(1, last[:, None])[:, 0])
+
+
+def _acceptance(tree, accepted, last, num_accepted, bonus) -> Acceptance:
+    """Order the accepted nodes by depth (a path has one node per depth) into padded tensors."""
+    b, n = tree.tokens.shape
+    max_depth = int(tree.depths.max()) + 1
+    device = tree.tokens.device
+    path = torch.full((b, max_depth + 1), -1, dtype=torch.long, device=device)
+    rows = torch.arange(b, device=device)[:, None].expand(b, n)
+    node_ids = torch.arange(n, device=device).expand(b, n)
+    path[rows[accepted], tree.depths[accepted]] = node_ids[accepted]
+    tokens = torch.full_like(path, -1)
+    tokens[:, :-1] = torch.where(path[:, 1:] >= 0, tree.tokens.gather(1, path[:, 1:].clamp(min=0)), -1)
+    tokens.scatter_(1, num_accepted[:, None], bonus[:, None])
+    return Acceptance(path=path, num_accepted=num_accepted, bonus=bonus, tokens=tokens)
+
+
+def processed_accept(
+    tree: DraftTree,
+    logits: torch.Tensor,
+    prefix_ids: torch.Tensor,
+    logits_processor: LogitsProcessorList,
+    do_sample: bool,
+    keep_scores: bool = False,
+) -> Acceptance:
+    """Walk with logits processors applied to each path prefix, greedy or sampling (batch size 1).
+
+    At the current node, process the target logits with the prefix `prefix_ids + path tokens`,
+    pick the target token (argmax, or a sample of the processed distribution); if a child carries
+    it, move there, else it is the bonus. Sampling this way draws each token from exactly the
+    target's processed distribution, so the output is distributed as plain sampling.
+    """
+    if tree.tokens.shape[0] != 1:
+        raise ValueError("processed_accept handles one sequence at a time")
+    node, path_tokens = 0, []
+    scores, raw = [], []
+    children_of = tree.parents[0]
+    while True:
+        ids = torch.cat([prefix_ids, prefix_ids.new_tensor([path_tokens])], dim=1) if path_tokens else prefix_ids
+        row = logits[:, node].float()
+        processed = logits_processor(ids, row) if logits_processor else row
+        if keep_scores:
+            scores.append(processed)
+            raw.append(row)
+        if do_sample:
+            choice = torch.multinomial(torch.softmax(processed, dim=-1), num_samples=1)[0, 0]
+        else:
+            choice = processed[0].argmax()
+        match = ((children_of == node) & (tree.tokens[0] == choice)).nonzero()
+        if match.numel() == 0:
+            break
+        node = int(match[0, 0])
+        path_tokens.append(int(choice))
+    accepted = torch.zeros_like(tree.tokens, dtype=torch.bool)
+    accepted[0, tree.ancestors[0, node]] = True
+    num_accepted = tree.depths[:, node]
+    result = _acceptance(tree, accepted, torch.tensor([node], device=logits.device), num_accepted, choice.view(1))
+    if keep_scores:
+        result.scores, result.raw_logits = scores, raw
+    return result
+
+
+def commit_cache(cache, past_len: int, keep: torch.Tensor) -> None:
+    """Keep the chunk entries `keep` (`[b, m]` indices into the verified chunk, in order) and drop the rest.
+
+    Every layer's keys/values `[b, heads, past_len + N + 1, dim]` become
+    `[b, heads, past_len + m, dim]`: the kept entries move to the front of the chunk.
+    """
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise TypeError(f"unsupported cache type {type(cache).__name__}: TreeSpark needs a DynamicCache")
+    index = past_len + keep  # [b, m]
+    for layer in layers:
+        if type(layer).__name__ != "DynamicLayer":
+            raise TypeError(f"unsupported cache layer {type(layer).__name__}: TreeSpark commits non-contiguous "
+                            "tree entries and supports full-attention DynamicCache layers only")
+        for name in ("keys", "values"):
+            tensor = getattr(layer, name)
+            idx = index[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3])
+            setattr(layer, name, torch.cat([tensor[:, :, :past_len], tensor.gather(2, idx)], dim=2))

@@ -1,0 +1,52 @@
+"""Tiny random-weight targets and drafters: right for exactness tests, never for acceptance numbers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import hf_treespark  # noqa: F401  (registers the drafter and the generate routing)
+from hf_treespark import TreeSparkConfig, TreeSparkDrafter
+
+VOCAB = 128
+
+ARCHITECTURES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 16}),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": None}),
+}
+
+
+def make_target(arch: str = "llama", attn: str = "sdpa", dtype=torch.float32, seed: int = 0, layers: int = 4):
+    config_cls, model_cls, extra = ARCHITECTURES[arch]
+    config = config_cls(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False, **extra,
+    )
+    config._attn_implementation = attn
+    torch.manual_seed(seed)
+    model = model_cls(config)
+    # Sharper logits than the default init, so greedy continuations are not all near-ties.
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    return model.to(dtype).eval()
+
+
+def make_drafter(target, seed: int = 1, **overrides) -> TreeSparkDrafter:
+    fields = dict(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                  intermediate_size=64, markov_rank=16, mask_token_id=3, tree_budget=12)
+    fields.update(overrides)
+    torch.manual_seed(seed)
+    drafter = TreeSparkDrafter(TreeSparkConfig.for_target(target, **fields))
+    with torch.no_grad():  # a non-zero Markov head, so parent tokens matter in tests
+        drafter.markov_head.markov_w2.weight.normal_(0.0, 0.5)
+    return drafter.to(target.dtype).eval()
+
+
+@pytest.fixture
+def llama_pair():
+    target = make_target("llama")
+    return target, make_drafter(target)

@@ -1,0 +1,483 @@
+"""Saving, loading, pushing and converting drafters (`hf_treespark.hub`), on a tiny random Qwen3 target."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import huggingface_hub
+import pytest
+import torch
+import yaml
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from transformers import AutoModel, Qwen3Config, Qwen3ForCausalLM
+
+import hf_treespark  # noqa: F401  (registers the drafter with AutoModel)
+from hf_treespark import TreeSparkConfig, TreeSparkDrafter
+from hf_treespark.hub import (
+    DSparkConversionError,
+    dspark_config_to_treespark,
+    export_dspark_checkpoint,
+    load_dspark_checkpoint,
+    model_card,
+    push_drafter_to_hub,
+    save_drafter,
+    treespark_config_to_dspark,
+)
+
+TARGET_NAME = "tiny-org/tiny-qwen3"
+V, H, TARGET_LAYERS = 256, 64, 4
+ACCEPTANCE = "| set | tau |\n|---|---|\n| MT-Bench | 3.21 |"
+
+
+def tiny_target() -> Qwen3ForCausalLM:
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=128, num_hidden_layers=TARGET_LAYERS,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    return Qwen3ForCausalLM(cfg).eval()
+
+
+def tiny_drafter(target, **overrides) -> TreeSparkDrafter:
+    """A drafter with every weight random (the Markov head's W2 starts at zero otherwise)."""
+    fields = dict(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                  intermediate_size=64, markov_rank=16, mask_token_id=3, target_name_or_path=TARGET_NAME,
+                  tree_topk=3, tree_frontier=5, tree_budget=17)
+    fields.update(overrides)
+    torch.manual_seed(1)
+    drafter = TreeSparkDrafter(TreeSparkConfig.for_target(target, **fields)).eval()
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
+    return drafter
+
+
+@pytest.fixture(scope="module")
+def target() -> Qwen3ForCausalLM:
+    return tiny_target()
+
+
+@pytest.fixture(scope="module")
+def drafter(target) -> TreeSparkDrafter:
+    return tiny_drafter(target)
+
+
+@pytest.fixture(scope="module")
+def input_ids() -> torch.Tensor:
+    return torch.randint(5, V, (2, 12), generator=torch.Generator().manual_seed(2))
+
+
+ANCHOR_POSITIONS = torch.tensor([[4, 11], [6, 9]])
+PARENTS = torch.tensor([[7, 8, 9], [10, 11, 12]])
+
+
+def target_features(target, input_ids, layer_ids) -> torch.Tensor:
+    """`[b, s, n_layers * d]`: target `hidden_states[l + 1]` for `l` in `layer_ids`, concatenated."""
+    with torch.no_grad():
+        hidden = target(input_ids, output_hidden_states=True).hidden_states
+    return torch.cat([hidden[i + 1] for i in layer_ids], dim=-1)
+
+
+def draft_outputs(drafter, target, input_ids) -> dict[str, torch.Tensor]:
+    """Everything a drafter computes: depth logits, normed block states, Markov bias, confidence."""
+    drafter.bind_target(target)
+    with torch.no_grad():
+        out = drafter(anchor_ids=input_ids.gather(1, ANCHOR_POSITIONS), anchor_positions=ANCHOR_POSITIONS,
+                      target_features=target_features(target, input_ids, drafter.config.target_layer_ids))
+        return {
+            "depth_logits": out.depth_logits,
+            "hidden": out.hidden_states,
+            "markov": drafter.markov_bias(PARENTS),
+            "confidence": drafter.confidence(out.hidden_states[:, :3], PARENTS),
+        }
+
+
+def assert_same_outputs(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+
+
+def config_fields(config: TreeSparkConfig) -> dict:
+    """The values of every `TreeSparkConfig.__init__` argument (what defines the drafter and its policy)."""
+    names = [n for n in inspect.signature(TreeSparkConfig.__init__).parameters if n not in ("self", "kwargs")]
+    return {n: getattr(config, n) for n in names}
+
+
+def front_matter(card: str) -> dict:
+    assert card.startswith("---\n")
+    return yaml.safe_load(card.split("---\n")[1])
+
+
+# ----- save / load ------------------------------------------------------------------------------------
+def test_save_drafter_writes_remote_code_card_and_weights_without_target_parts(tmp_path, drafter, target, input_ids):
+    want = draft_outputs(drafter, target, input_ids)
+    save_drafter(drafter, tmp_path, acceptance_table=ACCEPTANCE)
+
+    assert {"config.json", "modeling.py", "configuration.py", "model.safetensors", "README.md"} <= set(
+        os.listdir(tmp_path))
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["auto_map"] == {"AutoConfig": "configuration.TreeSparkConfig",
+                                  "AutoModel": "modeling.TreeSparkDrafter"}
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+    assert keys == set(drafter.state_dict())
+    assert not any("embed_tokens" in k or "lm_head" in k for k in keys)
+    assert ACCEPTANCE in (tmp_path / "README.md").read_text()
+
+    reloaded = AutoModel.from_pretrained(tmp_path)
+    assert type(reloaded) is TreeSparkDrafter
+    assert config_fields(reloaded.config) == config_fields(drafter.config)
+    assert_same_outputs(draft_outputs(reloaded.eval(), target, input_ids), want)
+
+
+def test_save_drafter_keeps_an_existing_readme(tmp_path, drafter):
+    (tmp_path / "README.md").write_text("my own card")
+    save_drafter(drafter, tmp_path)
+    assert (tmp_path / "README.md").read_text() == "my own card"
+    assert (tmp_path / "model.safetensors").is_file()
+
+
+def test_save_drafter_refuses_push_to_hub_kwarg(tmp_path, drafter):
+    with pytest.raises(ValueError, match="push_drafter_to_hub"):
+        save_drafter(drafter, tmp_path, push_to_hub=True)
+
+
+REMOTE_CODE_SCRIPT = textwrap.dedent("""
+    import sys
+    sys.modules["hf_treespark"] = None  # the package is installed editable: make it unimportable here
+    try:
+        import hf_treespark  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        raise SystemExit("hf_treespark is importable in the subprocess")
+    import torch
+    from transformers import AutoModel, Qwen3ForCausalLM
+
+    drafter_dir, target_dir, ids_file, out_file = sys.argv[1:5]
+    drafter = AutoModel.from_pretrained(drafter_dir, trust_remote_code=True).eval()
+    assert type(drafter).__module__.startswith("transformers_modules"), type(drafter).__module__
+    target = Qwen3ForCausalLM.from_pretrained(target_dir).eval()
+    drafter.bind_target(target)
+    input_ids = torch.load(ids_file)
+    anchors = torch.tensor([[4, 11], [6, 9]])
+    with torch.no_grad():
+        hidden = target(input_ids, output_hidden_states=True).hidden_states
+        feats = torch.cat([hidden[i + 1] for i in drafter.config.target_layer_ids], dim=-1)
+        out = drafter(anchor_ids=input_ids.gather(1, anchors), anchor_positions=anchors, target_features=feats)
+    torch.save({"depth_logits": out.depth_logits, "module": type(drafter).__module__}, out_file)
+""")
+
+
+def test_trust_remote_code_loads_without_the_package(tmp_path, drafter, target, input_ids):
+    want = draft_outputs(drafter, target, input_ids)["depth_logits"]
+    save_drafter(drafter, tmp_path / "drafter")
+    target.save_pretrained(tmp_path / "target")
+    torch.save(input_ids, tmp_path / "ids.pt")
+    env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", REMOTE_CODE_SCRIPT, str(tmp_path / "drafter"), str(tmp_path / "target"),
+         str(tmp_path / "ids.pt"), str(tmp_path / "out.pt")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = torch.load(tmp_path / "out.pt")
+    assert got["module"].startswith("transformers_modules")
+    assert torch.equal(got["depth_logits"], want)
+
+
+# ----- push to hub -----------------------------------------------------------------------------------
+def test_push_drafter_to_hub_uploads_weights_code_and_card(tmp_path, monkeypatch, drafter):
+    calls = []
+
+    def fake_create_repo(self, repo_id, **kwargs):
+        calls.append(("create_repo", repo_id, kwargs, self.token))
+        return huggingface_hub.RepoUrl(f"https://huggingface.co/{repo_id}")
+
+    def fake_upload_folder(self, *, repo_id, folder_path, commit_message, **kwargs):
+        calls.append(("upload_folder", repo_id, commit_message))
+        import shutil
+
+        shutil.copytree(folder_path, tmp_path / "uploaded")
+        return "commit-info"
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", fake_create_repo)
+    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", fake_upload_folder)
+    result = push_drafter_to_hub(drafter, "me/tiny-drafter", acceptance_table=ACCEPTANCE, private=True,
+                                 token="hf_fake", commit_message="first drafter")
+
+    assert result == "commit-info"
+    assert calls == [
+        ("create_repo", "me/tiny-drafter", {"exist_ok": True, "private": True}, "hf_fake"),
+        ("upload_folder", "me/tiny-drafter", "first drafter"),
+    ]
+    uploaded = tmp_path / "uploaded"
+    assert {"config.json", "model.safetensors", "modeling.py", "configuration.py", "README.md"} <= set(
+        os.listdir(uploaded))
+    assert "class TreeSparkDrafter" in (uploaded / "modeling.py").read_text()
+    card = (uploaded / "README.md").read_text()
+    assert front_matter(card)["base_model"] == TARGET_NAME
+    assert ACCEPTANCE in card
+    assert "| tree_topk (children per frontier parent) | 3 |" in card
+    assert "| tree_frontier (parents kept per depth) | 5 |" in card
+    assert "| tree_budget (tree nodes verified per round) | 17 |" in card
+    assert 'AutoModel.from_pretrained("me/tiny-drafter")' in card
+    reloaded = AutoModel.from_pretrained(uploaded)
+    for key, value in drafter.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[key], value), key
+
+
+# ----- model card -------------------------------------------------------------------------------------
+def test_model_card_without_table_says_so_and_shows_usage(drafter):
+    card = model_card(drafter)
+    meta = front_matter(card)
+    assert meta["library_name"] == "hf_treespark"
+    assert meta["tags"] == ["treespark", "speculative-decoding", "drafter"]
+    assert meta["base_model"] == TARGET_NAME
+    assert "No acceptance table was recorded" in card
+    assert "import hf_treespark" in card
+    assert "drafter = AutoModel.from_pretrained(" in card
+    assert "target.generate(**inputs, assistant_model=drafter, max_new_tokens=" in card
+    assert "trust_remote_code=True" in card
+    assert f"| target_layer_ids | `{drafter.config.target_layer_ids}`" in card
+    assert "| head_dim | 32 |" in card
+    assert "| Markov rank `r` | 16 |" in card
+    assert "| block size `B` | 7 |" in card
+
+
+def test_model_card_omits_base_model_when_target_is_unknown_or_a_local_path(target):
+    for name in (None, "/home/me/models/target"):
+        card = model_card(tiny_drafter(target, target_name_or_path=name))
+        assert "base_model" not in front_matter(card)
+    assert "(not recorded)" in model_card(tiny_drafter(target, target_name_or_path=None))
+
+
+# ----- bad checkpoints ----------------------------------------------------------------------------------
+def test_truncated_weights_raise_oserror_naming_the_path(tmp_path, drafter):
+    save_drafter(drafter, tmp_path)
+    weights = tmp_path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(OSError, match=str(tmp_path)):
+        AutoModel.from_pretrained(tmp_path)
+
+
+def test_missing_weights_raise_oserror(tmp_path, drafter):
+    save_drafter(drafter, tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(OSError, match="model.safetensors"):
+        AutoModel.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize(("field", "value"), [("block_size", 0), ("target_layer_ids", [1, TARGET_LAYERS - 1])])
+def test_invalid_config_field_raises_valueerror_naming_it(tmp_path, drafter, field, value):
+    save_drafter(drafter, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config[field] = value
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=f"TreeSparkConfig.{field}="):
+        AutoModel.from_pretrained(tmp_path)
+
+
+def test_misshaped_weight_is_refused(tmp_path, drafter):
+    save_drafter(drafter, tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    weights["layers.1.mlp.up_proj.weight"] = torch.zeros(32, H)
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(OSError, match=str(tmp_path)):
+        AutoModel.from_pretrained(tmp_path)
+
+
+def test_missing_and_unexpected_weights_are_refused(tmp_path, drafter):
+    save_drafter(drafter, tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    del weights["norm.weight"]
+    weights["extra.weight"] = torch.zeros(3)
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(OSError, match="norm.weight"):
+        AutoModel.from_pretrained(tmp_path)
+
+
+# ----- DSpark conversion -----------------------------------------------------------------------------------
+def dspark_keys(num_layers: int) -> set[str]:
+    """State-dict keys of DeepSpec's `Qwen3DSparkModel` (vanilla Markov head, confidence head with Markov)."""
+    keys = {"embed_tokens.weight", "fc.weight", "hidden_norm.weight", "norm.weight", "lm_head.weight",
+            "markov_head.markov_w1.weight", "markov_head.markov_w2.weight",
+            "confidence_head.proj.weight", "confidence_head.proj.bias"}
+    for i in range(num_layers):
+        keys |= {f"layers.{i}.self_attn.{name}.weight" for name in ("q_proj", "k_proj", "v_proj", "o_proj",
+                                                                   "q_norm", "k_norm")}
+        keys |= {f"layers.{i}.mlp.{name}.weight" for name in ("gate_proj", "up_proj", "down_proj")}
+        keys |= {f"layers.{i}.input_layernorm.weight", f"layers.{i}.post_attention_layernorm.weight"}
+    return keys
+
+
+def dspark_config(drafter) -> dict:
+    """A DSpark `config.json` as DeepSpec writes it: the target's Qwen3 config + the DSpark fields."""
+    cfg = drafter.config
+    return {
+        "architectures": ["Qwen3DSparkModel"], "model_type": "qwen3", "vocab_size": V, "hidden_size": H,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"},
+        "max_position_embeddings": 32768, "attention_bias": False, "tie_word_embeddings": False,
+        "layer_types": ["full_attention"] * cfg.num_hidden_layers, "num_target_layers": TARGET_LAYERS,
+        "block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id,
+        "target_layer_ids": list(cfg.target_layer_ids), "num_anchors": 512, "enable_confidence_head": True,
+        "confidence_head_with_markov": True, "markov_rank": cfg.markov_rank, "markov_head_type": "vanilla",
+    }
+
+
+def dspark_state_dict(drafter, target) -> dict[str, torch.Tensor]:
+    """DSpark tensors named as DeepSpec names them, taken from `drafter`, plus the target's embeddings/head."""
+    ours = drafter.state_dict()
+    state = {k: ours[k].clone() for k in dspark_keys(drafter.config.num_hidden_layers) if k in ours}
+    state["embed_tokens.weight"] = target.get_input_embeddings().weight.detach().clone()
+    state["lm_head.weight"] = target.get_output_embeddings().weight.detach().clone()
+    return state
+
+
+def test_dspark_state_dict_has_the_published_layout(drafter, target):
+    cfg = drafter.config
+    state = dspark_state_dict(drafter, target)
+    assert set(state) == dspark_keys(cfg.num_hidden_layers)  # every DSpark key exists in our drafter by name
+    r, t = cfg.markov_rank, cfg.num_target_features
+    assert state["fc.weight"].shape == (H, t * H)
+    assert state["markov_head.markov_w1.weight"].shape == (V, r)
+    assert state["markov_head.markov_w2.weight"].shape == (V, r)
+    assert state["confidence_head.proj.weight"].shape == (1, H + r)
+    assert state["layers.0.self_attn.q_norm.weight"].shape == (cfg.head_dim,)
+
+
+def test_load_dspark_state_dict_reproduces_the_source_drafter(drafter, target, input_ids):
+    want = draft_outputs(drafter, target, input_ids)
+    loaded = load_dspark_checkpoint(state_dict=dspark_state_dict(drafter, target), config=dspark_config(drafter),
+                                    target_name_or_path=TARGET_NAME)
+    assert loaded.config.target_layer_ids == drafter.config.target_layer_ids
+    assert loaded.config.target_name_or_path == TARGET_NAME
+    assert_same_outputs(draft_outputs(loaded, target, input_ids), want)
+
+
+def test_load_dspark_keeps_checkpoint_dtype(drafter, target):
+    state = {k: v.to(torch.bfloat16) for k, v in dspark_state_dict(drafter, target).items()}
+    loaded = load_dspark_checkpoint(state_dict=state, config=dspark_config(drafter))
+    assert loaded.fc.weight.dtype == torch.bfloat16
+    assert torch.equal(loaded.markov_head.markov_w2.weight, state["markov_head.markov_w2.weight"])
+
+
+def test_export_then_load_dspark_round_trips(tmp_path, drafter, target, input_ids):
+    want = draft_outputs(drafter, target, input_ids)
+    export_dspark_checkpoint(drafter, target, tmp_path)
+
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
+    stored = load_file(tmp_path / "model.safetensors")
+    assert set(stored) == dspark_keys(drafter.config.num_hidden_layers)
+    assert torch.equal(stored["embed_tokens.weight"], target.get_input_embeddings().weight)
+    assert torch.equal(stored["lm_head.weight"], target.get_output_embeddings().weight)
+    config = json.loads((tmp_path / "config.json").read_text())
+    expected = dspark_config(drafter)
+    assert {k: config[k] for k in expected} == expected
+
+    loaded = load_dspark_checkpoint(tmp_path)
+    for field in ("target_name_or_path", "tree_topk", "tree_frontier", "tree_budget", "block_size", "head_dim"):
+        assert getattr(loaded.config, field) == getattr(drafter.config, field), field
+    assert_same_outputs(draft_outputs(loaded, target, input_ids), want)
+
+
+def test_load_dspark_reads_sharded_checkpoints(tmp_path, drafter, target, input_ids):
+    state = dspark_state_dict(drafter, target)
+    names = sorted(state)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, keys in shards.items():
+        save_file({k: state[k] for k in keys}, tmp_path / file, metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {k: file for file, keys in shards.items() for k in keys}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    (tmp_path / "config.json").write_text(json.dumps(dspark_config(drafter)))
+    loaded = load_dspark_checkpoint(tmp_path)
+    assert_same_outputs(draft_outputs(loaded, target, input_ids), draft_outputs(drafter, target, input_ids))
+
+
+def test_dspark_config_conversion_round_trips(drafter):
+    back = dspark_config_to_treespark(treespark_config_to_dspark(drafter.config))
+    assert config_fields(back) == config_fields(drafter.config)
+
+
+def test_dspark_config_reads_legacy_top_level_rope_theta(drafter):
+    cfg = dspark_config(drafter)
+    del cfg["rope_parameters"]
+    cfg["rope_theta"] = 1234567.0
+    cfg["rope_scaling"] = None
+    assert dspark_config_to_treespark(cfg).rope_theta == 1234567.0
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"markov_head_type": "gated"}, "markov_head_type='gated'"),
+    ({"markov_head_type": "rnn"}, "markov_head_type='rnn'"),
+    ({"markov_rank": 0}, "markov_rank=0"),
+    ({"confidence_head_with_markov": False}, "confidence_head_with_markov"),
+    ({"mask_token_id": None}, "mask_token_id"),
+    ({"target_layer_ids": [-1, 1]}, "target_layer_ids"),
+    ({"rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0}}, "yarn"),
+    ({"num_target_layers": None}, "num_target_layers"),
+])
+def test_load_dspark_refuses_unsupported_configs(drafter, target, change, message):
+    config = dspark_config(drafter) | change
+    with pytest.raises(DSparkConversionError, match=message):
+        load_dspark_checkpoint(state_dict=dspark_state_dict(drafter, target), config=config)
+
+
+def test_load_dspark_refuses_gated_markov_weights(drafter, target):
+    state = dspark_state_dict(drafter, target)
+    state["markov_head.gate_proj.weight"] = torch.zeros(16, H + 16)
+    with pytest.raises(DSparkConversionError, match="gated/rnn Markov head"):
+        load_dspark_checkpoint(state_dict=state, config=dspark_config(drafter))
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda s: s.pop("layers.1.mlp.up_proj.weight"), r"missing \['layers.1.mlp.up_proj.weight'\]"),
+    (lambda s: s.update({"layers.2.mlp.up_proj.weight": torch.zeros(64, H)}), "unexpected"),
+    (lambda s: s.update({"fc.weight": torch.zeros(H, H)}), r"wrong shapes \['fc.weight: \(64, 64\)"),
+    (lambda s: s.update({"lm_head.weight": torch.zeros(V - 1, H)}), "lm_head.weight has shape"),
+])
+def test_load_dspark_refuses_mismatched_weights(drafter, target, edit, message):
+    state = dspark_state_dict(drafter, target)
+    edit(state)
+    with pytest.raises(DSparkConversionError, match=message):
+        load_dspark_checkpoint(state_dict=state, config=dspark_config(drafter))
+
+
+def test_load_dspark_refuses_truncated_file(tmp_path, drafter, target):
+    export_dspark_checkpoint(drafter, target, tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(OSError, match=str(weights)):
+        load_dspark_checkpoint(tmp_path)
+
+
+def test_load_dspark_refuses_directory_without_weights(tmp_path, drafter):
+    (tmp_path / "config.json").write_text(json.dumps(dspark_config(drafter)))
+    with pytest.raises(OSError, match="no model.safetensors"):
+        load_dspark_checkpoint(tmp_path)
+
+
+def test_export_dspark_refuses_learned_mask_embedding(tmp_path, target):
+    learned_mask = tiny_drafter(target, mask_token_id=None)
+    with pytest.raises(DSparkConversionError, match="learned mask embedding"):
+        export_dspark_checkpoint(learned_mask, target, tmp_path)
+    assert not (tmp_path / "model.safetensors").exists()
+
+
+def test_export_dspark_refuses_a_target_that_does_not_fit(tmp_path, drafter):
+    other = Qwen3ForCausalLM(Qwen3Config(vocab_size=V + 8, hidden_size=H, intermediate_size=32,
+                                         num_hidden_layers=TARGET_LAYERS, num_attention_heads=4,
+                                         num_key_value_heads=2, head_dim=16))
+    with pytest.raises(ValueError, match="vocabulary size"):
+        export_dspark_checkpoint(drafter, other, tmp_path)
+

@@ -1,0 +1,144 @@
+"""Properties of the deployed tree policy (SPEC section 2)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hf_treespark.tree import TreePolicy, ancestor_matrix, build_tree
+
+V = 50
+
+
+def random_inputs(seed: int, batch: int, depth: int, rank: int = 4):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(batch, depth, V, generator=gen) * 3
+    w1 = torch.randn(V, rank, generator=gen)
+    w2 = torch.randn(V, rank, generator=gen)
+    markov = lambda tokens: w1[tokens] @ w2.T  # noqa: E731
+    roots = torch.randint(0, V, (batch,), generator=gen)
+    return logits, markov, roots
+
+
+def paths(tree, b):
+    """Token path from the root to each node of batch row b."""
+    parents, tokens = tree.parents[b].tolist(), tree.tokens[b].tolist()
+    result = []
+    for i in range(len(tokens)):
+        path, node = [], i
+        while node > 0:
+            path.append(tokens[node])
+            node = parents[node]
+        result.append(tuple(reversed(path)))
+    return result
+
+
+policies = st.builds(
+    TreePolicy,
+    topk=st.integers(1, 5),
+    frontier=st.integers(1, 5),
+    budget=st.integers(1, 40),
+    depth=st.integers(1, 6),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(policy=policies, seed=st.integers(0, 10_000), batch=st.integers(1, 3))
+def test_tree_is_prefix_closed_ordered_and_within_budget(policy, seed, batch):
+    logits, markov, roots = random_inputs(seed, batch, policy.depth)
+    tree = build_tree(logits, markov, roots, policy)
+    n = tree.num_nodes
+    assert n == min(policy.budget, policy.num_candidates)
+    assert tree.candidates.tokens.shape[1] == policy.num_candidates
+    for b in range(batch):
+        parents = tree.parents[b]
+        assert parents[0] == -1 and tree.depths[b, 0] == 0 and tree.tokens[b, 0] == roots[b]
+        for i in range(1, n + 1):
+            p = int(parents[i])
+            assert 0 <= p < i, "parents precede children"
+            assert tree.depths[b, i] == tree.depths[b, p] + 1
+            assert tree.scores[b, i] <= tree.scores[b, p], "scores never increase along a path"
+        # siblings carry distinct tokens, so each path is unique
+        assert len(set(paths(tree, b))) == n + 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(policy=policies, seed=st.integers(0, 10_000))
+def test_packed_set_is_brute_force_top_n_of_candidates(policy, seed):
+    logits, markov, roots = random_inputs(seed, 1, policy.depth)
+    tree = build_tree(logits, markov, roots, policy)
+    cand = tree.candidates
+    scores = cand.scores[0].tolist()
+    depths = cand.depths[0].tolist()
+    # brute force: sort by (score desc, depth asc, index asc)
+    ranked = sorted(range(len(scores)), key=lambda i: (-scores[i], depths[i], i))
+    expected = set(ranked[: tree.num_nodes])
+    assert set(cand.packed[0].nonzero().flatten().tolist()) == expected
+    # the packed tree's nodes are exactly those candidates, with matching tokens and scores
+    for c in expected:
+        node = int(cand.node_index[0, c])
+        assert tree.tokens[0, node] == cand.tokens[0, c]
+        assert tree.scores[0, node] == cand.scores[0, c]
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), depth=st.integers(1, 7))
+def test_chain_mode_equals_sequential_top1_drafting(seed, depth):
+    logits, markov, roots = random_inputs(seed, 2, depth)
+    tree = build_tree(logits, markov, roots, TreePolicy.chain(depth))
+    for b in range(2):
+        parent, expected = roots[b], []
+        for d in range(depth):
+            parent = torch.log_softmax(logits[b, d] + markov(parent[None])[0], -1).argmax()
+            expected.append(int(parent))
+        assert tree.tokens[b, 1:].tolist() == expected
+        assert tree.parents[b].tolist() == [-1] + list(range(depth))
+
+
+def test_scores_are_sums_of_markov_conditioned_log_probs():
+    logits, markov, roots = random_inputs(3, 1, 4)
+    tree = build_tree(logits, markov, roots, TreePolicy(topk=3, frontier=2, budget=10, depth=4))
+    for i in range(1, tree.num_nodes + 1):
+        p = int(tree.parents[0, i])
+        d = int(tree.depths[0, i])
+        logp = torch.log_softmax(logits[0, d - 1] + markov(tree.tokens[0, p][None])[0], -1)
+        expected = tree.scores[0, p] + logp[tree.tokens[0, i]]
+        assert torch.allclose(tree.scores[0, i], expected, atol=1e-5)
+
+
+def test_default_policy_has_100_candidates_and_33_positions():
+    policy = TreePolicy()
+    assert policy.num_candidates == 4 + 6 * 16
+    logits, markov, roots = random_inputs(0, 1, 7)
+    tree = build_tree(logits, markov, roots, policy)
+    assert tree.tokens.shape == (1, 33)
+
+
+def test_ancestor_matrix_marks_each_path():
+    parents = torch.tensor([[-1, 0, 0, 1, 3, 2]])
+    anc = ancestor_matrix(parents, 4)[0]
+    expected = {0: {0}, 1: {0, 1}, 2: {0, 2}, 3: {0, 1, 3}, 4: {0, 1, 3, 4}, 5: {0, 2, 5}}
+    for row, members in expected.items():
+        assert set(anc[row].nonzero().flatten().tolist()) == members
+
+
+@pytest.mark.parametrize("field,value", [("topk", 0), ("budget", -1), ("depth", 9), ("frontier", 1.5)])
+def test_invalid_policy_is_refused_with_the_field_named(field, value):
+    policy = TreePolicy()
+    setattr(policy, field, value)
+    with pytest.raises(ValueError, match=field):
+        policy.validate(block_size=7)
+
+
+def test_every_candidate_parent_was_an_expanded_frontier_node():
+    logits, markov, roots = random_inputs(5, 1, 5)
+    policy = TreePolicy(topk=3, frontier=2, budget=20, depth=5)
+    tree = build_tree(logits, markov, roots, policy)
+    cand = tree.candidates
+    expanded = set(itertools.chain.from_iterable(e[0][0].tolist() for e in cand.expansions))
+    assert set(cand.parents[0].tolist()) <= expanded
+    assert len(cand.expansions) == 5
