@@ -1,0 +1,1 @@
+"""Drafter training: data (prompts, regeneration, references), losses, replay and the trainer."""

@@ -1,0 +1,261 @@
+"""Drafter training: each loss on hand-computed cases, replay = the inference tree policy, trainer behaviour."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from training_setup import tiny_trainer
+
+from hf_treespark.training import objective as objective_module
+from hf_treespark.training.losses import (
+    confidence_loss,
+    coverage_loss,
+    depth_weights,
+    l1_distribution_loss,
+    normalise,
+    reference_ce_loss,
+    survival_loss,
+)
+from hf_treespark.training.objective import LossConfig, replay_losses
+from hf_treespark.training.trainer import PRESETS, TrainConfig, sample_anchors
+from hf_treespark.tree import TreePolicy, build_tree
+
+
+def test_depth_weights():
+    w = depth_weights(7, 4.0)
+    assert torch.allclose(w, torch.tensor([math.exp(-k / 4) for k in range(7)]))
+
+
+def test_reference_ce_loss_by_hand():
+    logits = torch.tensor([[2.0, 0.0, 0.0], [0.0, 1.0, 0.0]], requires_grad=True)
+    targets = torch.tensor([0, 2])
+    weights = torch.tensor([1.0, 0.5])
+    num, den = reference_ce_loss(logits, targets, weights)
+    ce0 = -math.log(math.exp(2) / (math.exp(2) + 2))
+    ce1 = -math.log(1 / (2 + math.e))
+    assert num.item() == pytest.approx(ce0 + 0.5 * ce1, rel=1e-6)
+    assert den.item() == pytest.approx(1.5)
+
+
+def test_l1_loss_by_hand():
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.25]]))
+    q = torch.tensor([[0.25, 0.25, 0.5]])
+    num, den = l1_distribution_loss(logits, q, torch.tensor([2.0]))
+    assert num.item() == pytest.approx(2.0 * 0.5, rel=1e-6) and den.item() == 2.0
+
+
+def test_confidence_target_is_stop_gradient_overlap():
+    logits = torch.log(torch.tensor([[0.5, 0.5]])).requires_grad_(True)
+    q = torch.tensor([[1.0, 0.0]])
+    conf = torch.tensor([0.3], requires_grad=True)
+    num, den = confidence_loss(conf, logits, q, torch.tensor([1.0]))
+    target = 1 - 0.5 * 1.0  # overlap = 1 - TV = 0.5
+    expected = -(target * math.log(torch.sigmoid(conf).item()) + (1 - target) * math.log(1 - torch.sigmoid(conf).item()))
+    assert num.item() == pytest.approx(expected, rel=1e-6)
+    num.backward()
+    assert logits.grad is None or torch.all(logits.grad == 0)  # the target carries no gradient
+    assert conf.grad is not None and conf.grad.abs().item() > 0
+
+
+def test_survival_counts_packed_edges_only_and_detaches_mass():
+    child_logp = torch.tensor([-0.1, -1.0, -2.0], requires_grad=True)
+    mass = torch.tensor([0.6, 0.3, 0.1], requires_grad=True)
+    packed = torch.tensor([True, False, True])
+    num, den = survival_loss(child_logp, mass, packed)
+    assert num.item() == pytest.approx(0.6 * 0.1 + 0.1 * 2.0, rel=1e-6)
+    assert den.item() == pytest.approx(0.7)
+    num.backward()
+    assert child_logp.grad.tolist() == pytest.approx([-0.6, 0.0, -0.1])
+    assert mass.grad is None
+
+
+def test_coverage_hinge_margin_cap_and_detached_threshold():
+    parent_logp = torch.log(torch.tensor([[0.7, 0.2, 0.05, 0.05]])).requires_grad_(True)
+    threshold = torch.tensor([math.log(0.2)], requires_grad=True)
+    top_tokens = torch.tensor([[0, 2, 3]])
+    top_probs = torch.tensor([[0.5, 0.3, 0.2]])
+    margin, cap = 0.5, 1.2
+    num, den = coverage_loss(parent_logp, threshold, top_tokens, top_probs, torch.tensor([0.8]), margin, cap)
+    h = [min(cap, max(0.0, margin + math.log(0.2) - math.log(p))) for p in (0.7, 0.05, 0.05)]
+    assert h[0] == 0.0 and h[1] == cap  # above the threshold: no penalty; far below: capped
+    assert num.item() == pytest.approx(0.8 * (0.5 * h[0] + 0.3 * h[1] + 0.2 * h[2]), rel=1e-5)
+    assert den.item() == pytest.approx(0.8 * 1.0)
+    num.backward()
+    assert threshold.grad is None
+    assert parent_logp.grad[0, 0] == 0 and parent_logp.grad[0, 2] == 0  # no penalty / capped: no gradient
+
+
+def test_normalise_divides_by_the_global_denominator():
+    num, den = torch.tensor(3.0), torch.tensor(2.0)
+    assert normalise(num, den).item() == 1.5
+    # two ranks: rank holds num 3, den 2; the other rank's den is 4 -> global den 6, DDP averages x2
+    assert normalise(num, den, reduce_fn=lambda x: x + 4.0, world_size=2).item() == pytest.approx(3.0 * 2 / 6)
+
+
+class _Markov:
+    def __init__(self, vocab, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        self.w1 = torch.randn(vocab, 3, generator=gen)
+        self.w2 = torch.randn(vocab, 3, generator=gen)
+
+    def markov_bias(self, tokens):
+        return self.w1[tokens] @ self.w2.T
+
+
+def test_replay_uses_the_inference_tree_policy(monkeypatch):
+    vocab, n, depth = 20, 3, 4
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(n, depth, vocab, generator=gen, requires_grad=True)
+    roots = torch.randint(0, vocab, (n,), generator=gen)
+    q = torch.softmax(torch.randn(n, depth, vocab, generator=gen), -1)
+    policy = TreePolicy(topk=3, frontier=2, budget=5, depth=depth)
+    calls = []
+    real = objective_module.build_tree
+
+    def spy(*args):
+        calls.append(real(*args))
+        return calls[-1]
+
+    monkeypatch.setattr(objective_module, "build_tree", spy)
+    drafter = _Markov(vocab)
+    replay_losses(drafter, logits, roots, q, torch.ones(n, depth, dtype=torch.bool), policy,
+                  depth_weights(depth, 4.0), LossConfig())
+    assert len(calls) == 1
+    direct = build_tree(logits.detach(), drafter.markov_bias, roots, policy)
+    assert torch.equal(calls[0].tokens, direct.tokens) and torch.equal(calls[0].parents, direct.parents)
+
+
+def test_replay_survival_mass_and_coverage_over_every_expanded_parent():
+    vocab, depth = 12, 3
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(1, depth, vocab, generator=gen, requires_grad=True)
+    roots = torch.tensor([0])
+    q = torch.softmax(torch.randn(1, depth, vocab, generator=gen) * 2, -1)
+    policy = TreePolicy(topk=2, frontier=2, budget=2, depth=depth)  # tiny budget: most parents get nothing packed
+    drafter = _Markov(vocab, 2)
+    cfg = LossConfig(coverage_top_j=3)
+    w = depth_weights(depth, 4.0)
+    terms = replay_losses(drafter, logits, roots, q, torch.ones(1, depth, dtype=torch.bool), policy, w, cfg)
+    tree = build_tree(logits.detach(), drafter.markov_bias, roots, policy)
+    # survival: by hand over the packed nodes, mass = product of q along the path
+    num, den = 0.0, 0.0
+    for i in range(1, tree.num_nodes + 1):
+        mass, node = 1.0, i
+        while node > 0:
+            mass *= q[0, int(tree.depths[0, node]) - 1, tree.tokens[0, node]].item()
+            node = int(tree.parents[0, node])
+        parent = int(tree.parents[0, i])
+        logp = torch.log_softmax(logits[0, int(tree.depths[0, i]) - 1] + drafter.markov_bias(tree.tokens[0, parent]),
+                                 -1)[tree.tokens[0, i]]
+        num -= mass * logp.item()
+        den += mass
+    assert terms["surv"][0].item() == pytest.approx(num, rel=1e-5)
+    assert terms["surv"][1].item() == pytest.approx(den, rel=1e-5)
+    # coverage: every expanded parent counts (1 at depth 1, then 2 per depth), packed or not
+    expected_den = sum(w[k].item() * parents * q[0, k].topk(3).values.sum().item()
+                       for k, parents in enumerate([1, 2, 2]))
+    assert terms["cov"][1].item() == pytest.approx(expected_den, rel=1e-5)
+    assert tree.num_nodes == 2
+
+
+def test_presets_are_one_switch_each():
+    assert TrainConfig(preset="dspark").loss.surv == 0 and TrainConfig(preset="dspark").loss.cov == 0
+    assert TrainConfig(preset="no_survival").loss.surv == 0 and TrainConfig(preset="no_survival").loss.cov > 0
+    assert TrainConfig(preset="no_coverage").loss.cov == 0 and TrainConfig(preset="no_coverage").loss.surv > 0
+    assert PRESETS["dspark"][1]["head_dim"] == 128 and PRESETS["treespark"][1]["head_dim"] == 192
+    assert PRESETS["dspark"][1]["tree_topk"] == 1  # chain policy
+    with pytest.raises(ValueError, match="unknown preset"):
+        TrainConfig(preset="nope")
+
+
+def test_anchors_depend_on_the_sequence_not_the_batch():
+    lengths, prompts = torch.tensor([20, 12]), torch.tensor([5, 4])
+    a, valid = sample_anchors(lengths, prompts, torch.tensor([7, 3]), 6, seed=0, epoch=1)
+    b, _ = sample_anchors(lengths[1:], prompts[1:], torch.tensor([3]), 6, seed=0, epoch=1)
+    assert torch.equal(a[1], b[0])
+    assert ((a >= prompts[:, None]) | ~valid).all() and ((a <= lengths[:, None] - 2) | ~valid).all()
+
+
+def _snapshot(trainer):
+    return {k: v.detach().clone() for k, v in trainer.unwrapped_drafter().state_dict().items()}
+
+
+def _evaluate(trainer):
+    """All loss terms on a fixed batch, without updating."""
+    from hf_treespark.training.trainer import _collate, target_features
+
+    refs = trainer.references[:4]
+    batch = _collate(list(enumerate(refs)))
+    feats, hidden = target_features(trainer.target, trainer.drafter.config.target_layer_ids,
+                                    batch["input_ids"], batch["attention_mask"])
+    anchors, valid = sample_anchors(batch["lengths"], batch["prompt_lens"], batch["indices"], 8, 0, 0)
+    with torch.no_grad():
+        parts = trainer.objective(batch["input_ids"], batch["attention_mask"], batch["lengths"], feats, hidden,
+                                  anchors, valid)
+    return {k: (n / d).item() for k, (n, d) in parts.items()}
+
+
+def test_short_run_lowers_every_loss_and_keeps_the_target_frozen(tmp_path):
+    trainer = tiny_trainer(tmp_path, max_steps=40, save_every=100)
+    target_before = {k: v.clone() for k, v in trainer.target.state_dict().items()}
+    drafter_before = _snapshot(trainer)
+    before = _evaluate(trainer)
+    trainer.train(resume=False, progress=False)
+    after = _evaluate(trainer)
+    for name in ("ce", "l1", "conf", "surv", "cov"):
+        assert after[name] < before[name], (name, before[name], after[name])
+    assert not trainer.target.training
+    assert all(not p.requires_grad and p.grad is None for p in trainer.target.parameters())
+    assert all(torch.equal(v, target_before[k]) for k, v in trainer.target.state_dict().items())
+    changed = [k for k, v in _snapshot(trainer).items() if not torch.equal(v, drafter_before[k])]
+    assert "markov_head.markov_w2.weight" in changed and "fc.weight" in changed
+    assert (tmp_path / "metrics.jsonl").is_file()
+
+
+def test_resume_reaches_the_same_parameters(tmp_path):
+    full = tiny_trainer(tmp_path / "full", max_steps=6)
+    full.train(resume=False, progress=False)
+    expected = _snapshot(full)
+
+    first = tiny_trainer(tmp_path / "split", max_steps=6)
+    first.train(resume=False, progress=False, stop_after=4)  # checkpoint at step 3, "crash" after step 4
+    assert first.latest_checkpoint().name == "step-00000003"
+    resumed = tiny_trainer(tmp_path / "split", max_steps=6)
+    assert resumed.resume() and resumed.step == 3
+    resumed.train(resume=False, progress=False)
+    got = _snapshot(resumed)
+    for key, value in expected.items():
+        assert torch.allclose(got[key], value, atol=1e-6, rtol=0), key
+
+
+def test_damaged_checkpoint_is_refused_with_its_path(tmp_path):
+    trainer = tiny_trainer(tmp_path, max_steps=3)
+    trainer.train(resume=False, progress=False)
+    ckpt = trainer.latest_checkpoint()
+    for f in ckpt.glob("*.safetensors"):
+        f.write_bytes(f.read_bytes()[:100])
+    again = tiny_trainer(tmp_path, max_steps=3)
+    with pytest.raises(RuntimeError, match=str(ckpt.name)):
+        again.resume()
+
+
+def test_two_processes_make_the_same_update_as_one(tmp_path):
+    """2 CPU processes under accelerate (gloo, started by torchrun), batch 1 each == 1 process with batch 2."""
+    worker = Path(__file__).parent / "ddp_worker.py"
+    torchrun = Path(sys.executable).parent / "torchrun"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
+    one, two = tmp_path / "one", tmp_path / "two"
+    subprocess.run([sys.executable, str(worker), str(one), "2", "1"], check=True, env=env, timeout=600)
+    subprocess.run([str(torchrun), "--nproc_per_node", "2", "--master_port", "29533", str(worker), str(two), "1", "2"],
+                   check=True, env=env, timeout=600)
+    a, b = torch.load(one / "params.pt"), torch.load(two / "params.pt")
+    for key in a:
+        assert torch.allclose(a[key], b[key], atol=1e-5, rtol=1e-4), key
+    shutil.rmtree(tmp_path, ignore_errors=True)
