@@ -178,10 +178,11 @@ def save_drafter(
     if getattr(type(drafter.config), "_auto_class", None) is None:
         type(drafter.config).register_for_auto_class()
     save_directory = Path(save_directory)
-    drafter.save_pretrained(save_directory, **kwargs)
+    save_directory.mkdir(parents=True, exist_ok=True)
     card = save_directory / CARD_NAME
-    if not card.exists():
+    if not card.exists():  # before save_pretrained, which would otherwise write a card without the table
         card.write_text(model_card(drafter, acceptance_table, repo_id=repo_id), encoding="utf-8")
+    drafter.save_pretrained(save_directory, **kwargs)
     return save_directory
 
 

@@ -20,6 +20,7 @@ can ship it as remote code.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -411,6 +412,24 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
         block_id = torch.arange(num_anchors, device=device).repeat_interleave(bsz)
         parts.append((block_id[:, None] == block_id[None, :]).expand(b, -1, -1))
         return torch.cat(parts, dim=-1)[:, None]
+
+    # ----- saving and loading -------------------------------------------------------------------
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """`PreTrainedModel.save_pretrained`, plus a model card (`README.md`) when the directory has none.
+
+        The card is written first, so `push_to_hub` (which saves through here) uploads it too.
+        """
+        os.makedirs(save_directory, exist_ok=True)
+        card = os.path.join(save_directory, "README.md")
+        if not os.path.exists(card):
+            try:
+                from hf_treespark.hub import model_card
+            except ImportError:  # loaded as remote code, without the package: no card
+                model_card = None
+            if model_card is not None:
+                with open(card, "w", encoding="utf-8") as f:
+                    f.write(model_card(self))
+        return super().save_pretrained(save_directory, *args, **kwargs)
 
     # ----- loading ------------------------------------------------------------------------------
     @classmethod

@@ -1,4 +1,7 @@
-"""Run by torchrun (2 processes) and plainly (1 process) in test_training.py: one optimizer step, parameters saved by rank 0."""
+"""Run by torchrun (2 processes) and plainly (1 process) in test_training.py.
+
+Two optimizer steps; rank 0 saves the parameters.
+"""
 
 import sys
 from pathlib import Path

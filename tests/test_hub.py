@@ -481,3 +481,9 @@ def test_export_dspark_refuses_a_target_that_does_not_fit(tmp_path, drafter):
     with pytest.raises(ValueError, match="vocabulary size"):
         export_dspark_checkpoint(drafter, other, tmp_path)
 
+
+
+def test_plain_save_pretrained_writes_a_card_so_push_to_hub_uploads_one(tmp_path, drafter):
+    drafter.save_pretrained(tmp_path / "plain")
+    card = (tmp_path / "plain" / "README.md").read_text()
+    assert "treespark" in card.lower() and "assistant_model" in card
