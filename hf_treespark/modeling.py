@@ -186,6 +186,7 @@ class MarkovHead(nn.Module):
         super().__init__()
         self.markov_w1 = nn.Embedding(vocab_size, rank)
         self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+        self.markov_w2.zero_init = True  # W2 = 0: training starts from the pure parallel drafter
 
     def forward(self, parent_tokens: torch.Tensor) -> torch.Tensor:
         """parent_tokens [...] -> logit correction [..., V]."""
@@ -226,12 +227,11 @@ class TreeSparkPreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.initializer_range
-        if isinstance(module, MarkovHead):
-            # Zero W2: training starts from the pure parallel drafter.
-            module.markov_w1.weight.normal_(0.0, std)
-            module.markov_w2.weight.zero_()
-        elif isinstance(module, nn.Linear):
-            module.weight.normal_(0.0, std)
+        if isinstance(module, nn.Linear):
+            if getattr(module, "zero_init", False):
+                module.weight.zero_()
+            else:
+                module.weight.normal_(0.0, std)
             if module.bias is not None:
                 module.bias.zero_()
         elif isinstance(module, nn.Embedding):

@@ -1,0 +1,144 @@
+"""The drafter's heads, its feature indexing and its binding to a target (SPEC section 1)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_drafter, make_target
+
+from hf_treespark import TreeSparkConfig, TreeSparkDrafter
+from hf_treespark.configuration import default_target_layer_ids
+
+
+@pytest.fixture
+def pair():
+    target = make_target("qwen3")
+    return target, make_drafter(target)
+
+
+def test_markov_head_formula_and_shapes(pair):
+    _, drafter = pair
+    parents = torch.tensor([[3, 7], [1, 0]])
+    bias = drafter.markov_bias(parents)
+    w1, w2 = drafter.markov_head.markov_w1.weight, drafter.markov_head.markov_w2.weight
+    assert bias.shape == (2, 2, drafter.config.target_vocab_size)
+    assert torch.allclose(bias[0, 1], w2 @ w1[7], atol=1e-5)
+    assert w1.shape == (drafter.config.target_vocab_size, drafter.config.markov_rank)
+
+
+def test_fresh_markov_head_starts_as_the_pure_parallel_drafter():
+    target = make_target("llama")
+    drafter = TreeSparkDrafter(TreeSparkConfig.for_target(target, num_hidden_layers=1, head_dim=32,
+                                                          num_attention_heads=2, num_key_value_heads=1,
+                                                          markov_rank=8, mask_token_id=3))
+    assert torch.count_nonzero(drafter.markov_head.markov_w2.weight) == 0
+
+
+def test_confidence_head_formula(pair):
+    _, drafter = pair
+    hidden = torch.randn(2, 5, drafter.config.hidden_size)
+    parents = torch.randint(0, 100, (2, 5))
+    conf = drafter.confidence(hidden, parents)
+    proj = drafter.confidence_head.proj
+    manual = torch.sigmoid(torch.cat([hidden, drafter.markov_head.markov_w1(parents)], -1) @ proj.weight[0]
+                           + proj.bias[0])
+    assert conf.shape == (2, 5) and torch.allclose(conf, manual, atol=1e-6)
+    assert ((conf > 0) & (conf < 1)).all()
+
+
+def test_depth_logits_use_the_targets_lm_head(pair):
+    target, drafter = pair
+    drafter.bind_target(target)
+    hidden = torch.randn(3, drafter.config.hidden_size)
+    assert torch.allclose(drafter.depth_logits(hidden), target.lm_head(hidden), atol=1e-6)
+
+
+def test_target_features_are_hidden_states_at_layer_plus_one(pair):
+    """Layer l's output is HF hidden_states[l + 1]; features concatenate them in target_layer_ids order."""
+    target, drafter = pair
+    ids = torch.randint(4, 100, (1, 9))
+    with torch.no_grad():
+        hs = target(ids, output_hidden_states=True).hidden_states
+    from hf_treespark.training.trainer import target_features
+
+    feats, final = target_features(target, drafter.config.target_layer_ids, ids, torch.ones_like(ids))
+    d = target.config.hidden_size
+    for slot, layer in enumerate(drafter.config.target_layer_ids):
+        assert torch.equal(feats[..., slot * d:(slot + 1) * d], hs[layer + 1])
+    assert torch.equal(final, hs[-1])
+    # the hook that the decoding loop uses on the target forward: the same indices
+    captured = {}
+
+    def hook_for(layer):
+        def hook(module, args, output):
+            captured[layer] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    handles = [target.model.layers[i].register_forward_hook(hook_for(i)) for i in drafter.config.target_layer_ids]
+    with torch.no_grad():
+        target(ids)
+    for h in handles:
+        h.remove()
+    for slot, layer in enumerate(drafter.config.target_layer_ids):
+        assert torch.allclose(feats[..., slot * d:(slot + 1) * d], captured[layer], atol=1e-6)
+
+
+def test_default_layer_ids_are_spread_and_skip_the_last_layer():
+    assert default_target_layer_ids(36) == [1, 9, 18, 26, 34]
+    assert default_target_layer_ids(30)[-1] <= 28
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        TreeSparkConfig(target_num_hidden_layers=4, target_layer_ids=[1, 3])
+
+
+def test_binding_refuses_a_target_that_does_not_fit(pair):
+    target, drafter = pair
+    other_vocab = make_target("qwen3")
+    other_vocab.resize_token_embeddings(96)
+    with pytest.raises(ValueError, match="vocabulary size"):
+        drafter.bind_target(other_vocab)
+    deeper = make_target("qwen3", layers=6)
+    with pytest.raises(ValueError, match="layers"):
+        drafter.bind_target(deeper)
+    with pytest.raises(RuntimeError, match="bind_target"):
+        make_drafter(target).depth_logits(torch.zeros(1, drafter.config.hidden_size))
+
+
+def test_block_layout_anchor_then_mask_slots(pair):
+    target, drafter = pair
+    drafter.bind_target(target)
+    emb = drafter.block_embeddings(torch.tensor([[5, 9]]))
+    b = drafter.config.block_size
+    embed = target.get_input_embeddings()
+    assert emb.shape == (1, 2 * b, drafter.config.hidden_size)
+    assert torch.equal(emb[0, 0], embed.weight[5]) and torch.equal(emb[0, b], embed.weight[9])
+    assert torch.equal(emb[0, 1], embed.weight[drafter.config.mask_token_id])
+
+
+def test_learned_mask_embedding_when_no_spare_id():
+    target = make_target("llama")
+    drafter = make_drafter(target, mask_token_id=None).bind_target(target)
+    assert drafter.mask_embedding is not None
+    emb = drafter.block_embeddings(torch.tensor([[5]]))
+    assert torch.equal(emb[0, 1], drafter.mask_embedding)
+
+
+def test_cached_drafting_equals_uncached_block_attention(pair):
+    """Inference (context cache, appended in two pieces) and training (mask) paths draft the same block."""
+    target, drafter = pair
+    drafter.bind_target(target)
+    ids = torch.randint(4, 100, (1, 12))
+    with torch.no_grad():
+        hs = target(ids, output_hidden_states=True).hidden_states
+    feats = torch.cat([hs[i + 1] for i in drafter.config.target_layer_ids], -1)
+    anchor = 10
+    cache = drafter.new_context_cache()
+    with torch.no_grad():
+        drafter(anchor_ids=ids[:, 6:7], anchor_positions=torch.tensor([[6]]), target_features=feats[:, :6],
+                context_cache=cache)
+        cached = drafter(anchor_ids=ids[:, anchor:anchor + 1], anchor_positions=torch.tensor([[anchor]]),
+                         target_features=feats[:, 6:anchor], context_cache=cache)
+        full = drafter(anchor_ids=ids[:, anchor:anchor + 1], anchor_positions=torch.tensor([[anchor]]),
+                       target_features=feats, context_positions=torch.arange(12)[None])
+    assert cache.get_seq_length() == anchor
+    assert torch.allclose(cached.depth_logits, full.depth_logits, atol=1e-4)
