@@ -59,7 +59,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--anchors", type=int, default=64, help="anchors per sequence")
     p.add_argument("--save-every", type=int, default=50)
-    p.add_argument("--feature-cache", help="directory to cache target features in (default: recompute)")
+    p.add_argument("--feature-cache", help="directory for cached target features (default: OUTPUT_DIR/feature_cache;"
+                   " measured faster than a target forward per step on a 2-core CPU)")
+    p.add_argument("--no-feature-cache", action="store_true", help="recompute target features every step")
     p.add_argument("--tensorboard", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--loss", type=json.loads, default={}, help='loss overrides, e.g. \'{"surv": 1.0}\'')
@@ -108,10 +110,12 @@ def main() -> None:
         torch.manual_seed(args.seed)
         drafter = TreeSparkDrafter(TreeSparkConfig.for_target(target, **fields))
 
+    cache = None if args.no_feature_cache else (args.feature_cache or str(out / "feature_cache"))
     config = TrainConfig(output_dir=str(out), preset=args.preset, epochs=args.epochs, max_steps=args.max_steps,
                          batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
                          anchors_per_sequence=args.anchors, save_every=args.save_every, seed=args.seed,
-                         feature_cache=args.feature_cache, tensorboard=args.tensorboard,
+                         feature_cache=cache,
+                         tensorboard=args.tensorboard,
                          loss=LossConfig(**args.loss))
     trainer = Trainer(config, target, drafter, references)
     result = trainer.train()
