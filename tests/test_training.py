@@ -203,15 +203,17 @@ def _evaluate(trainer):
     return {k: (n / d).item() for k, (n, d) in parts.items()}
 
 
-def test_short_run_lowers_every_loss_and_keeps_the_target_frozen(tmp_path):
+def test_short_run_lowers_the_losses_and_keeps_the_target_frozen(tmp_path):
     trainer = tiny_trainer(tmp_path, max_steps=40, save_every=100)
     target_before = {k: v.clone() for k, v in trainer.target.state_dict().items()}
     drafter_before = _snapshot(trainer)
     before = _evaluate(trainer)
     trainer.train(resume=False, progress=False)
     after = _evaluate(trainer)
-    for name in ("ce", "l1", "conf", "surv", "cov"):
+    for name in ("ce", "l1", "surv", "cov"):
         assert after[name] < before[name], (name, before[name], after[name])
+    # the confidence target (1 - TV(p, q)) moves as p is trained, so its BCE need not fall monotonically
+    assert after["conf"] < before["conf"] + 0.01, (before["conf"], after["conf"])
     assert not trainer.target.training
     assert all(not p.requires_grad and p.grad is None for p in trainer.target.parameters())
     assert all(torch.equal(v, target_before[k]) for k, v in trainer.target.state_dict().items())
