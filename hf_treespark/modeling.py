@@ -436,6 +436,10 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         """`PreTrainedModel.from_pretrained`, refusing checkpoints with missing, unexpected or misshaped weights."""
         want_info = kwargs.pop("output_loading_info", False)
+        name = os.fspath(pretrained_model_name_or_path)
+        if name.startswith((os.sep, ".", "~")) and not os.path.isdir(os.path.expanduser(name)):
+            raise OSError(f"No TreeSpark drafter directory at {name!r}: check the path (a Hub repo id looks like "
+                          "'org/name').")
         try:
             model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True,
                                                   **kwargs)

@@ -141,22 +141,34 @@ def jsonl_prompts(path: str | Path, limit: int | None = None) -> list[Prompt]:
     """
     path = Path(path)
     prompts: list[Prompt] = []
+    if limit is not None and limit <= 0:
+        return prompts
+    for line_no, (record, messages) in _json_records(path, _record_to_messages):
+        rid = str(record["id"]) if "id" in record else f"{path.stem}:{line_no}"
+        prompts.append(Prompt(id=rid, messages=messages, source=str(path)))
+        if limit is not None and len(prompts) >= limit:
+            break
+    return prompts
+
+
+def _json_records(path: Path, parse) -> Iterator[tuple[int, tuple[dict, object]]]:
+    """`(line number, (record, parse(record)))` for each non-empty line of a JSONL file.
+
+    A line that is not a JSON object, or that `parse` rejects with `ValueError`, raises
+    `ValueError` naming the file and line.
+    """
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, start=1):
-            if limit is not None and len(prompts) >= limit:
-                break
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
                 if not isinstance(record, dict):
                     raise ValueError(f"expected a JSON object, got {type(record).__name__}")
-                messages = _record_to_messages(record)
+                parsed = parse(record)
             except ValueError as e:  # json.JSONDecodeError is a ValueError
                 raise ValueError(f"{path}:{line_no}: {e}") from None
-            rid = str(record["id"]) if "id" in record else f"{path.stem}:{line_no}"
-            prompts.append(Prompt(id=rid, messages=messages, source=str(path)))
-    return prompts
+            yield line_no, (record, parsed)
 
 
 def _load_hf_dataset(name_or_path: str | Path, split: str):
@@ -470,26 +482,18 @@ def load_references(paths: list[str | Path] | str | Path, max_length: int = 1024
     if isinstance(paths, (str, Path)):
         paths = [paths]
     sequences: list[ReferenceSequence] = []
+    token_lists = lambda record: (_int_list(record, "prompt_ids"), _int_list(record, "response_ids"))  # noqa: E731
+    if limit is not None and limit <= 0:
+        return sequences
     for path in map(Path, paths):
-        with open(path, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, start=1):
-                if limit is not None and len(sequences) >= limit:
-                    return sequences
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                    if not isinstance(record, dict):
-                        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
-                    prompt_ids = _int_list(record, "prompt_ids")
-                    response_ids = _int_list(record, "response_ids")
-                except ValueError as e:
-                    raise ValueError(f"{path}:{line_no}: {e}") from None
-                input_ids = (prompt_ids + response_ids)[:max_length]
-                if len(input_ids) - len(prompt_ids) < 2:
-                    continue
-                rid = str(record.get("id", f"{path.stem}:{line_no}"))
-                sequences.append(ReferenceSequence(id=rid, input_ids=input_ids, prompt_len=len(prompt_ids)))
+        for line_no, (record, (prompt_ids, response_ids)) in _json_records(path, token_lists):
+            input_ids = (prompt_ids + response_ids)[:max_length]
+            if len(input_ids) - len(prompt_ids) < 2:
+                continue
+            rid = str(record.get("id", f"{path.stem}:{line_no}"))
+            sequences.append(ReferenceSequence(id=rid, input_ids=input_ids, prompt_len=len(prompt_ids)))
+            if limit is not None and len(sequences) >= limit:
+                return sequences
     return sequences
 
 

@@ -141,13 +141,9 @@ def fill_feature_cache(cache: FeatureCache, target, layer_ids, references, batch
     device = next(target.parameters()).device
     for start in tqdm(range(0, len(todo), batch_size), desc="caching target features", disable=not progress):
         chunk = todo[start : start + batch_size]
-        t_len = max(len(r.input_ids) for r in chunk)
-        ids = torch.zeros(len(chunk), t_len, dtype=torch.long)
-        mask = torch.zeros(len(chunk), t_len, dtype=torch.long)
-        for row, ref in enumerate(chunk):
-            ids[row, : len(ref.input_ids)] = torch.tensor(ref.input_ids)
-            mask[row, : len(ref.input_ids)] = 1
-        feats, hidden = target_features(target, layer_ids, ids.to(device), mask.to(device))
+        batch = collate_references(chunk, pad_id=0)
+        feats, hidden = target_features(target, layer_ids, batch["input_ids"].to(device),
+                                        batch["attention_mask"].to(device))
         for row, ref in enumerate(chunk):
             n = len(ref.input_ids)
             cache.put(ref.id, feats[row, :n].cpu(), hidden[row, :n].cpu())
