@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -11,23 +12,34 @@ import torch
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _load_pair(args):
+def load_target(name: str | None = None, dtype: torch.dtype = torch.float32):
+    """`(model, tokenizer)`: a causal LM by name or path (sdpa attention), or the offline default when empty."""
+    from . import assets
+
+    if not name:
+        return assets.load_default_target(dtype=dtype)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if name.startswith((os.sep, ".", "~")) and not os.path.isdir(os.path.expanduser(name)):
+        raise OSError(f"No target model directory at {name!r}: check the path (a Hub repo id looks like 'org/name').")
+    target = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="sdpa").eval()
+    return target, AutoTokenizer.from_pretrained(name)
+
+
+def load_drafter(name: str | None = None, dtype: torch.dtype = torch.float32):
+    """A TreeSpark drafter by name or path, or the shipped default drafter when empty."""
     from . import assets
     from .modeling import TreeSparkDrafter
 
-    dtype = DTYPES[args.dtype]
-    if args.target:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    if not name:
+        return assets.load_default_drafter(dtype=dtype)
+    return TreeSparkDrafter.from_pretrained(name, dtype=dtype).eval()
 
-        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype, attn_implementation="sdpa").eval()
-        tokenizer = AutoTokenizer.from_pretrained(args.target)
-    else:
-        target, tokenizer = assets.load_default_target(dtype=dtype)
-    if args.drafter:
-        drafter = TreeSparkDrafter.from_pretrained(args.drafter, dtype=dtype).eval()
-    else:
-        drafter = assets.load_default_drafter(dtype=dtype)
-    return target, tokenizer, drafter
+
+def _load_pair(args):
+    dtype = DTYPES[args.dtype]
+    target, tokenizer = load_target(args.target, dtype)
+    return target, tokenizer, load_drafter(args.drafter, dtype)
 
 
 def cmd_generate(args) -> int:
@@ -67,6 +79,54 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from .bench import run_from_args
+
+    return run_from_args(args)
+
+
+def cmd_calibrate(args) -> int:
+    """Measure the drafter's acceptance length per tree budget and store it in its config."""
+    import json
+    from pathlib import Path
+
+    from . import assets
+    from .bench import select_prompts
+    from .budget import calibrate_acceptance
+
+    config_path = Path(args.drafter) / "config.json"
+    if not config_path.is_file():
+        raise OSError(f"No TreeSpark drafter directory at {args.drafter!r} (config.json missing)")
+    target, tokenizer, drafter = _load_pair(args)
+    budgets = tuple(int(n) for n in args.budgets.split(","))
+    prompts = [assets.chat_inputs(tokenizer, p) for p in select_prompts(args.suite, args.num_prompts)]
+    profile = calibrate_acceptance(target, drafter, prompts, budgets, args.max_new_tokens)
+    config = json.loads(config_path.read_text())
+    config["acceptance_profile"] = profile
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    print(f"[calibrate] acceptance length per budget on {args.num_prompts} {args.suite} prompts: {profile}; "
+          f"written to {config_path}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .demo import build_app, import_gradio, launch
+
+    import_gradio()  # before loading models: say at once if the demo extra is missing
+    app = build_app(target_name=args.target, drafter_name=args.drafter, dtype=DTYPES[args.dtype])
+    launch(app, host=args.host, port=args.port, share=args.share)
+    return 0
+
+
+def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", help="target model name or path (default: offline SmolLM2-135M-Instruct)")
+    parser.add_argument("--drafter", help="drafter name or path (default: the shipped drafter)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to serve on (0.0.0.0: the whole network)")
+    parser.add_argument("--port", type=int, default=7860)
+    parser.add_argument("--share", action="store_true", help="also open a public gradio.live link (off by default)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="treespark", description="TreeSpark tree speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -83,6 +143,26 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     gen.add_argument("--compare", action="store_true", help="also run plain decoding: speedup and exactness check")
     gen.set_defaults(func=cmd_generate)
+
+    from .bench import add_arguments as add_bench_arguments
+
+    bench = sub.add_parser("bench", help="acceptance length and speed of plain, prompt lookup, DSpark and TreeSpark")
+    add_bench_arguments(bench)
+    bench.set_defaults(func=cmd_bench)
+
+    cal = sub.add_parser("calibrate", help="measure a drafter's acceptance length per tree budget (for 'auto')")
+    cal.add_argument("--drafter", required=True, help="drafter directory; its config.json gets acceptance_profile")
+    cal.add_argument("--target", help="target model name or path (default: offline SmolLM2-135M-Instruct)")
+    cal.add_argument("--suite", default="sharegpt", help="prompt suite (mtbench, humaneval, sharegpt held-out)")
+    cal.add_argument("--num-prompts", type=int, default=8)
+    cal.add_argument("--max-new-tokens", type=int, default=96)
+    cal.add_argument("--budgets", default="2,4,8,16,32,64")
+    cal.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    cal.set_defaults(func=cmd_calibrate)
+
+    demo = sub.add_parser("demo", help="the Gradio demo: watch rounds commit and inspect each drafted tree")
+    add_demo_arguments(demo)
+    demo.set_defaults(func=cmd_demo)
 
     args = parser.parse_args(argv)
     if getattr(args, "max_new_tokens", 1) < 1:

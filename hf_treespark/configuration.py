@@ -32,7 +32,11 @@ class TreeSparkConfig(PretrainedConfig):
         use_confidence_head: whether the confidence head `c_k(y)` exists.
         tree_topk: children proposed per frontier parent (`k`).
         tree_frontier: frontier width kept per depth.
-        tree_budget: number of non-root tree nodes packed for verification (`N`).
+        tree_budget: number of non-root tree nodes packed for verification (`N`), or `"auto"`:
+            chosen per device from measured verify latency and `acceptance_profile`
+            (`hf_treespark.budget`).
+        acceptance_profile: measured mean acceptance length per budget, `{"N": tau}`
+            (`hf_treespark.budget.calibrate_acceptance`), or None.
     """
 
     model_type = "treespark"
@@ -59,7 +63,8 @@ class TreeSparkConfig(PretrainedConfig):
         use_confidence_head: bool = True,
         tree_topk: int = 4,
         tree_frontier: int = 4,
-        tree_budget: int = 32,
+        tree_budget: int | str = 32,
+        acceptance_profile: dict[str, float] | None = None,
         initializer_range: float = 0.02,
         **kwargs,
     ):
@@ -87,6 +92,8 @@ class TreeSparkConfig(PretrainedConfig):
         self.tree_topk = tree_topk
         self.tree_frontier = tree_frontier
         self.tree_budget = tree_budget
+        self.acceptance_profile = ({str(int(n)): float(t) for n, t in acceptance_profile.items()}
+                                   if acceptance_profile else None)
         self.initializer_range = initializer_range
         kwargs.pop("hidden_size", None)  # always equal to target_hidden_size
         kwargs.setdefault("tie_word_embeddings", False)
@@ -104,8 +111,13 @@ class TreeSparkConfig(PretrainedConfig):
                      "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
                      "intermediate_size", "markov_rank", "tree_topk", "tree_frontier", "tree_budget"):
             value = getattr(self, name)
+            if name == "tree_budget" and value == "auto":
+                continue
             need(isinstance(value, int) and not isinstance(value, bool) and value > 0, name,
-                 "must be a positive integer")
+                 "must be a positive integer" + (' or "auto"' if name == "tree_budget" else ""))
+        need(self.acceptance_profile is None
+             or all(int(n) > 0 and t >= 1.0 for n, t in self.acceptance_profile.items()), "acceptance_profile",
+             'must map budgets N > 0 to acceptance lengths >= 1, e.g. {"8": 1.9}')
         need(len(self.target_layer_ids) > 0, "target_layer_ids", "needs at least one target layer")
         need(all(0 <= i < self.target_num_hidden_layers - 1 for i in self.target_layer_ids), "target_layer_ids",
              f"layer ids must lie in [0, {self.target_num_hidden_layers - 2}] (the last target layer is post-norm "

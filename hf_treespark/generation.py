@@ -16,13 +16,14 @@ prepares the generation config, logits processors and stopping criteria, then ca
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .budget import CANDIDATE_BUDGETS, auto_budget, is_auto
 from .tree import DraftTree, TreePolicy, build_tree
 from .verify import commit_cache, greedy_accept, processed_accept, tree_attention_mask, tree_position_ids
 
@@ -56,11 +57,13 @@ class TreeSparkGenerateOutput(GenerateDecoderOnlyOutput):
     rounds: one `RoundRecord` per drafting round.
     acceptance_length: mean tokens committed per round (accepted nodes + bonus; SPEC section 3).
     acceptance_by_depth: fraction of rounds whose accepted path reached depth `d`, for `d = 1..D`.
+    tree_budget: the budget `N` used (the one chosen when `tree_budget="auto"`).
     """
 
     rounds: list[RoundRecord] | None = None
     acceptance_length: float | None = None
     acceptance_by_depth: list[float] | None = None
+    tree_budget: int | None = None
 
 
 def acceptance_stats(rounds: list[RoundRecord], depth: int) -> tuple[float, list[float]]:
@@ -80,14 +83,22 @@ def resolve_policy(drafter, tree_budget=None, tree_topk=None, tree_depth=None, t
     if tree_chain:
         policy = TreePolicy.chain(depth)
     else:
+        budget = cfg.tree_budget if tree_budget is None else tree_budget
         policy = TreePolicy(
             topk=cfg.tree_topk if tree_topk is None else tree_topk,
             frontier=cfg.tree_frontier if tree_frontier is None else tree_frontier,
-            budget=cfg.tree_budget if tree_budget is None else tree_budget,
+            budget=1 if is_auto(budget) else budget,
             depth=depth,
         )
+        if is_auto(budget):  # the largest candidate pool; the first round picks the budget
+            policy.validate(cfg.block_size)
+            policy = replace(policy, budget=min(max(CANDIDATE_BUDGETS), policy.num_candidates))
     policy.validate(cfg.block_size)
     return policy
+
+
+def wants_auto_budget(drafter, tree_budget=None, tree_chain=False) -> bool:
+    return not tree_chain and is_auto(drafter.config.tree_budget if tree_budget is None else tree_budget)
 
 
 def _forward_kwarg_for_cache(model) -> str:
@@ -150,6 +161,7 @@ def treespark_decoding(
     drafter = treespark_drafter
     check_supported(model, drafter, input_ids, generation_config)
     policy = resolve_policy(drafter, tree_budget, tree_topk, tree_depth, tree_frontier, tree_chain)
+    choose_budget = wants_auto_budget(drafter, tree_budget, tree_chain)
     drafter.bind_target(model)
     streamer = treespark_streamer
     cache_kw = _forward_kwarg_for_cache(model)
@@ -211,6 +223,10 @@ def treespark_decoding(
             context_cache=drafter_cache,
         )
         tree = build_tree(draft.depth_logits, drafter.markov_bias, x0, policy)
+        if choose_budget:  # tree_budget="auto": decided once, from the largest tree's scores if need be
+            policy = replace(policy, budget=auto_budget(model, drafter, policy, tree.scores[0, 1:]))
+            tree = build_tree(draft.depth_logits, drafter.markov_bias, x0, policy)
+            choose_budget = False
 
         out = model(
             input_ids=tree.tokens,
@@ -266,6 +282,7 @@ def treespark_decoding(
         rounds=rounds,
         acceptance_length=mean,
         acceptance_by_depth=by_depth,
+        tree_budget=policy.budget,
     )
 
 

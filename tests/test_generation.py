@@ -74,6 +74,7 @@ TREE_SHAPES = [
     {"tree_budget": 1},
     {"tree_topk": 2, "tree_frontier": 3, "tree_budget": 20},
     {"tree_depth": 3, "tree_budget": 6},
+    {"tree_budget": "auto"},
 ]
 
 

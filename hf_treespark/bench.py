@@ -1,0 +1,417 @@
+"""Acceptance-length and throughput benchmark: `treespark bench` / `python -m hf_treespark.bench`.
+
+For each suite (MT-Bench first turns, HumanEval, held-out ShareGPT) and each method (plain greedy
+`generate`, transformers' prompt-lookup decoding, a DSpark drafter in chain mode, a DSpark-trained
+drafter in tree mode, the TreeSpark drafter in chain and tree mode), greedy, batch 1:
+
+- acceptance length: tokens committed per target forward after the prefill (SPEC section 3:
+  accepted nodes + bonus per round; for prompt lookup, counted from the target's forward calls),
+- acceptance rate by depth: fraction of rounds whose accepted path reached depth `d`,
+- tokens/s and speedup over plain greedy, measured in the same run with the methods interleaved
+  prompt by prompt,
+- exactness: every speculative output is checked against plain greedy (strict in fp32, the
+  near-tie rule in half precision); a violation fails the run after the results are written.
+
+Writes `results.json`, `results.md`, `acceptance_length.png` and `acceptance_by_depth.png`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+SUITES = ("mtbench", "humaneval", "sharegpt")
+SUITE_LABELS = {"mtbench": "MT-Bench", "humaneval": "HumanEval", "sharegpt": "ShareGPT (held-out)"}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PROMPT_LOOKUP_TOKENS = 10
+
+
+@dataclass(frozen=True)
+class Method:
+    """A decoding method: which drafter it uses (None: no drafter) and its generate kwargs."""
+
+    name: str
+    label: str
+    drafter: str | None
+    kwargs: dict = field(default_factory=dict)
+
+
+METHODS = {
+    m.name: m
+    for m in (
+        Method("plain", "plain greedy", None),
+        Method("prompt_lookup", "prompt lookup", None, {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}),
+        Method("dspark", "DSpark (chain)", "dspark", {"tree_chain": True}),
+        Method("dspark_tree", "DSpark + Tree", "dspark_tree", {}),
+        Method("treespark_chain", "TreeSpark drafter, chain", "treespark", {"tree_chain": True}),
+        Method("treespark", "TreeSpark", "treespark", {}),
+    )
+}
+TREE_METHODS = ("dspark_tree", "treespark")  # these share one tree budget
+
+
+class BenchmarkError(RuntimeError):
+    """A speculative method's output differed from plain greedy decoding."""
+
+
+@dataclass
+class MethodResult:
+    """Totals of one method on one suite."""
+
+    suite: str
+    method: str
+    label: str
+    prompts: int = 0
+    new_tokens: int = 0
+    seconds: float = 0.0
+    target_forwards: int = 0
+    committed_after_prefill: int = 0
+    rounds_reaching_depth: list[int] = field(default_factory=list)
+    rounds: int = 0
+    exact: int = 0
+    tokens_per_second: float | None = None
+    speedup: float | None = None
+    acceptance_length: float | None = None
+    acceptance_by_depth: list[float] | None = None
+
+    def finish(self, plain_tps: float | None) -> None:
+        self.tokens_per_second = self.new_tokens / self.seconds if self.seconds else None
+        if plain_tps and self.tokens_per_second:
+            self.speedup = self.tokens_per_second / plain_tps
+        verify_forwards = self.target_forwards - self.prompts  # every prompt's prefill produces one token
+        if self.method != "plain" and verify_forwards > 0:
+            self.acceptance_length = self.committed_after_prefill / verify_forwards
+        if self.rounds:
+            self.acceptance_by_depth = [n / self.rounds for n in self.rounds_reaching_depth]
+
+
+def select_prompts(suite: str, count: int) -> list[str]:
+    """`count` prompts spread evenly over the suite (MT-Bench and HumanEval are grouped by category)."""
+    from . import assets
+
+    if suite == "mtbench":
+        pool = assets.mtbench_prompts()
+    elif suite == "humaneval":
+        pool = [f"Complete this Python function.\n\n```python\n{p}```" for p in assets.humaneval_prompts()]
+    elif suite == "sharegpt":
+        pool = assets.sharegpt_prompts("heldout", limit=max(4 * count, 64))
+    else:
+        raise ValueError(f"unknown suite {suite!r}; choose from {', '.join(SUITES)}")
+    if count >= len(pool):
+        return pool
+    return [pool[i * len(pool) // count] for i in range(count)]
+
+
+class ForwardCounter:
+    """Counts the target's forward calls (one per prefill, verify round, or plain decoding step)."""
+
+    def __init__(self, model):
+        self.count = 0
+        self._handle = model.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args):
+        self.count += 1
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
+def _generate(target, inputs: dict, method: Method, drafter, max_new_tokens: int, budget):
+    """One greedy generate call of `method`: `(sequences [1, T], rounds or None)`."""
+    kwargs = dict(method.kwargs)
+    if drafter is not None:
+        kwargs["assistant_model"] = drafter
+        kwargs["return_dict_in_generate"] = True
+        if method.name in TREE_METHODS and budget is not None:
+            kwargs["tree_budget"] = budget
+    out = target.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens, **kwargs)
+    if drafter is None:
+        return out, None
+    return out.sequences, out.rounds
+
+
+def run_benchmark(target, tokenizer, drafters: dict, suites=SUITES, methods=tuple(METHODS), num_prompts: int = 10,
+                  max_new_tokens: int = 128, budget: int | str = "auto", max_prompt_tokens: int = 512,
+                  progress: bool = True) -> dict:
+    """Run every method on every suite; returns the report (see `write_report`).
+
+    drafters: `{"dspark": drafter, "dspark_tree": drafter, "treespark": drafter}`; methods whose
+    drafter is missing are skipped and listed under `skipped`.
+    Raises `BenchmarkError` (after building the report, attached as `.report`) on any output that
+    is not plain greedy's.
+    """
+    from tqdm.auto import tqdm
+
+    from . import assets
+    from .exactness import check_greedy_equivalence
+
+    dtype = next(target.parameters()).dtype
+    runnable = [METHODS[m] for m in methods if METHODS[m].drafter is None or METHODS[m].drafter in drafters]
+    skipped = [m for m in methods if METHODS[m] not in runnable]
+    if "plain" not in [m.name for m in runnable]:
+        runnable.insert(0, METHODS["plain"])  # the reference for speedup and exactness
+    depth = max((d.config.block_size for d in drafters.values()), default=0)
+
+    # One tree budget for both tree methods (same capacity and policy); "auto" is resolved once,
+    # on this device, with the TreeSpark drafter's acceptance statistics (or DSpark + Tree's).
+    warm = assets.chat_inputs(tokenizer, "Say hello.")
+    fixed_budget = None if budget == "auto" else budget
+    chooser = next((drafters[m] for m in ("treespark", "dspark_tree") if m in drafters), None)
+    if budget == "auto" and chooser is not None and any(m.name in TREE_METHODS for m in runnable):
+        out = target.generate(**warm, assistant_model=chooser, do_sample=False, max_new_tokens=16,
+                              tree_budget="auto", return_dict_in_generate=True)
+        fixed_budget = out.tree_budget
+    for method in runnable:  # warm-up: first-call costs stay out of the timings
+        _generate(target, warm, method, drafters.get(method.drafter), 8, fixed_budget)
+
+    results, violations = {}, []
+    for suite in suites:
+        prompts = [p for p in select_prompts(suite, 4 * num_prompts)
+                   if assets.chat_inputs(tokenizer, p)["input_ids"].shape[1] <= max_prompt_tokens][:num_prompts]
+        rows = {m.name: MethodResult(suite, m.name, m.label, rounds_reaching_depth=[0] * depth) for m in runnable}
+        for prompt in tqdm(prompts, desc=f"bench {SUITE_LABELS[suite]}", disable=not progress):
+            inputs = assets.chat_inputs(tokenizer, prompt)
+            prompt_len = inputs["input_ids"].shape[1]
+            reference = None
+            for method in runnable:
+                drafter = drafters.get(method.drafter)
+                counter = ForwardCounter(target)
+                start = time.perf_counter()
+                try:
+                    sequences, rounds = _generate(target, inputs, method, drafter, max_new_tokens, fixed_budget)
+                finally:
+                    seconds = time.perf_counter() - start
+                    counter.close()
+                row = rows[method.name]
+                new = sequences.shape[1] - prompt_len
+                row.prompts += 1
+                row.new_tokens += new
+                row.seconds += seconds
+                row.target_forwards += counter.count
+                row.committed_after_prefill += new - 1
+                if rounds is not None:
+                    row.rounds += len(rounds)
+                    for r in rounds:
+                        for d in range(min(r.num_accepted, depth)):
+                            row.rounds_reaching_depth[d] += 1
+                if method.name == "plain":
+                    reference = sequences
+                    row.exact += 1
+                    continue
+                report = check_greedy_equivalence(target, reference, sequences)
+                row.exact += int(report.ok)
+                if not report.ok:
+                    violations.append(f"{method.name} on {suite} prompt {prompts.index(prompt)}: {report}")
+        plain_tps = rows["plain"].new_tokens / rows["plain"].seconds if rows["plain"].seconds else None
+        for row in rows.values():
+            row.finish(plain_tps)
+        results[suite] = rows
+
+    report = {
+        "config": {
+            "dtype": str(dtype).replace("torch.", ""),
+            "device": str(next(target.parameters()).device),
+            "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
+            "target": getattr(target.config, "_name_or_path", "") or target.config.model_type,
+            "num_prompts": num_prompts,
+            "max_new_tokens": max_new_tokens,
+            "tree_budget": fixed_budget if fixed_budget is not None else "drafter default",
+            "requested_budget": budget,
+            "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS,
+            "methods": [m.name for m in runnable],
+            "skipped": skipped,
+            "torch": torch.__version__,
+            "transformers": __import__("transformers").__version__,
+        },
+        "results": [asdict(row) for rows in results.values() for row in rows.values()],
+        "violations": violations,
+    }
+    if violations:
+        err = BenchmarkError("outputs differ from plain greedy decoding:\n  " + "\n  ".join(violations))
+        err.report = report
+        raise err
+    return report
+
+
+def _fmt(value, spec: str = ".2f") -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def markdown_table(report: dict) -> str:
+    """The report as markdown: one row per suite and method, then acceptance by depth."""
+    cfg = report["config"]
+    lines = [
+        f"Target {cfg['target']}, {cfg['dtype']} on {cfg['device']} ({cfg['machine']}), greedy, batch 1, "
+        f"{cfg['num_prompts']} prompts per suite, {cfg['max_new_tokens']} new tokens; tree budget "
+        f"{cfg['tree_budget']} (requested {cfg['requested_budget']}); torch {cfg['torch']}, "
+        f"transformers {cfg['transformers']}.",
+        "",
+        "| suite | method | acceptance length | tokens/s | speedup vs plain | exact |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in report["results"]:
+        lines.append(f"| {SUITE_LABELS[row['suite']]} | {row['label']} | {_fmt(row['acceptance_length'])} | "
+                     f"{_fmt(row['tokens_per_second'], '.1f')} | {_fmt(row['speedup'])}x | "
+                     f"{row['exact']}/{row['prompts']} |")
+    depth_rows = [r for r in report["results"] if r["acceptance_by_depth"]]
+    if depth_rows:
+        depth = max(len(r["acceptance_by_depth"]) for r in depth_rows)
+        lines += ["", "Acceptance rate by depth (fraction of rounds whose accepted path reached depth d):", "",
+                  "| suite | method | " + " | ".join(f"d={d}" for d in range(1, depth + 1)) + " |",
+                  "|---|---|" + "---|" * depth]
+        for row in depth_rows:
+            rates = " | ".join(f"{100 * x:.1f}%" for x in row["acceptance_by_depth"])
+            lines.append(f"| {SUITE_LABELS[row['suite']]} | {row['label']} | {rates} |")
+    if report["config"]["skipped"]:
+        lines += ["", f"Skipped (no drafter given): {', '.join(report['config']['skipped'])}."]
+    return "\n".join(lines) + "\n"
+
+
+def plot_report(report: dict, out_dir: Path) -> list[Path]:
+    """`acceptance_length.png` (per suite per method) and `acceptance_by_depth.png` (like the paper's Fig. 2)."""
+    try:
+        import matplotlib
+    except ImportError as err:
+        raise ImportError("The benchmark plots need matplotlib: pip install 'hf_treespark[bench]'") from err
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in report["results"] if r["acceptance_length"] is not None]
+    suites = list(dict.fromkeys(r["suite"] for r in report["results"]))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    labels = {r["method"]: r["label"] for r in rows}
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / max(1, len(methods))
+    for i, method in enumerate(methods):
+        values = [next((r["acceptance_length"] for r in rows if r["suite"] == s and r["method"] == method), 0)
+                  for s in suites]
+        xs = [k + (i - (len(methods) - 1) / 2) * width for k in range(len(suites))]
+        bars = ax.bar(xs, values, width, label=labels[method])
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.set_xticks(range(len(suites)), [SUITE_LABELS[s] for s in suites])
+    ax.set_ylabel("mean acceptance length (tokens / target forward)")
+    ax.set_title(f"Acceptance length ({report['config']['dtype']}, tree budget {report['config']['tree_budget']})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out_dir / "acceptance_length.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    depth_rows = [r for r in rows if r["acceptance_by_depth"]]
+    fig, axes = plt.subplots(1, len(suites), figsize=(4 * len(suites), 3.6), sharey=True, squeeze=False)
+    for ax, suite in zip(axes[0], suites, strict=True):
+        for row in (r for r in depth_rows if r["suite"] == suite):
+            rates = row["acceptance_by_depth"]
+            ax.plot(range(1, len(rates) + 1), [100 * x for x in rates], marker="o", label=row["label"])
+        ax.set_title(SUITE_LABELS[suite])
+        ax.set_xlabel("depth")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("rounds reaching depth (%)")
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out_dir / "acceptance_by_depth.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+def write_report(report: dict, out_dir: str | Path) -> list[Path]:
+    """Write `results.json`, `results.md` and the plots into `out_dir`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(report, indent=1))
+    (out / "results.md").write_text(markdown_table(report))
+    return [out / "results.json", out / "results.md", *plot_report(report, out)]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--suites", default=",".join(SUITES), help=f"comma-separated, from {', '.join(SUITES)}")
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {', '.join(METHODS)}")
+    parser.add_argument("--num-prompts", type=int, default=10, help="prompts per suite")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--drafter", action="append", default=[], metavar="ROLE=PATH",
+                        help="drafter per role (treespark, dspark, dspark_tree); treespark defaults to the "
+                             "shipped drafter; a method whose drafter is missing is skipped")
+    parser.add_argument("--budget", default="auto", help="tree budget for both tree methods, or 'auto'")
+    parser.add_argument("--target", help="target model name or path (default: offline SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--output-dir", default="bench_results")
+    parser.add_argument("--smoke", action="store_true",
+                        help="a quick check: 1 prompt per suite, 8 new tokens, budget 8 unless given")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    from . import assets
+    from .modeling import TreeSparkDrafter
+
+    dtype = DTYPES[args.dtype]
+    suites = [s.strip() for s in args.suites.split(",") if s.strip()]
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for name, known in (("suite", SUITES), ("method", METHODS)):
+        for value in suites if name == "suite" else methods:
+            if value not in known:
+                raise ValueError(f"unknown {name} {value!r}; choose from {', '.join(known)}")
+    budget = args.budget if args.budget == "auto" else int(args.budget)
+    if args.smoke:
+        args.num_prompts, args.max_new_tokens = 1, 8
+        budget = 8 if args.budget == "auto" else budget
+    if args.num_prompts < 1 or args.max_new_tokens < 1:
+        raise ValueError("--num-prompts and --max-new-tokens must be at least 1")
+
+    paths = {}
+    for item in args.drafter:
+        role, sep, path = item.partition("=")
+        if not sep or role not in ("treespark", "dspark", "dspark_tree"):
+            raise ValueError(f"--drafter {item!r}: expected ROLE=PATH with ROLE one of treespark, dspark, dspark_tree")
+        paths[role] = path
+    if args.target:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype, attn_implementation="sdpa").eval()
+        tokenizer = AutoTokenizer.from_pretrained(args.target)
+    else:
+        target, tokenizer = assets.load_default_target(dtype=dtype)
+    drafters, loaded = {}, {}
+    for role in ("treespark", "dspark", "dspark_tree"):
+        path = paths.get(role)
+        if path is None and role == "treespark" and not args.target:
+            path = str(assets.DEFAULT_DRAFTER_DIR)
+        if path is None:
+            continue
+        if path not in loaded:
+            loaded[path] = TreeSparkDrafter.from_pretrained(path, dtype=dtype).eval()
+        drafters[role] = loaded[path]
+
+    try:
+        report = run_benchmark(target, tokenizer, drafters, suites, methods, args.num_prompts, args.max_new_tokens,
+                               budget)
+        failed = None
+    except BenchmarkError as err:
+        report, failed = err.report, err
+    report["config"]["drafters"] = {role: paths.get(role, "shipped default") for role in drafters}
+    written = write_report(report, args.output_dir)
+    print(markdown_table(report))
+    print("wrote " + ", ".join(str(p) for p in written))
+    if failed is not None:
+        print(f"treespark bench: FAILED: {failed}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hf_treespark.bench", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run_from_args(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

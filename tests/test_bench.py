@@ -1,0 +1,83 @@
+"""The benchmark in smoke mode on the real offline target and the shipped drafter."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from hf_treespark import assets, bench, cli
+from hf_treespark.modeling import TreeSparkDrafter
+
+pytestmark = pytest.mark.slow
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_smoke_run_covers_every_suite_and_method_and_checks_exactness(tmp_path):
+    shipped = str(assets.DEFAULT_DRAFTER_DIR)
+    out = tmp_path / "bench"
+    rc = bench.main(["--smoke", "--output-dir", str(out), "--drafter", f"dspark={shipped}",
+                     "--drafter", f"dspark_tree={shipped}"])
+    assert rc == 0
+    report = json.loads((out / "results.json").read_text())
+    assert report["config"]["dtype"] == "float32" and report["config"]["tree_budget"] == 8
+    rows = {(r["suite"], r["method"]): r for r in report["results"]}
+    assert set(rows) == {(s, m) for s in bench.SUITES for m in bench.METHODS}
+    for (suite, method), row in rows.items():
+        assert row["prompts"] == 1 and row["exact"] == 1, (suite, method)
+        assert 0 < row["new_tokens"] <= 8 and row["tokens_per_second"] > 0
+        if method == "plain":
+            assert row["acceptance_length"] is None and row["speedup"] == pytest.approx(1.0)
+            assert row["target_forwards"] == row["new_tokens"]  # one forward per token
+            continue
+        assert row["acceptance_length"] >= 1.0
+        if bench.METHODS[method].drafter is not None:
+            # one target forward per round after the prefill, and the by-depth rates are monotone
+            assert row["target_forwards"] - row["prompts"] == row["rounds"]
+            rates = row["acceptance_by_depth"]
+            assert all(a >= b for a, b in zip(rates, rates[1:], strict=False))
+    table = (out / "results.md").read_text()
+    assert "| suite | method | acceptance length | tokens/s | speedup vs plain | exact |" in table
+    assert table.count("| HumanEval |") >= len(bench.METHODS)
+    for name in ("acceptance_length.png", "acceptance_by_depth.png"):
+        assert (out / name).read_bytes()[:8] == PNG_MAGIC
+
+
+def test_a_wrong_output_fails_the_run_after_writing_the_results(tmp_path, monkeypatch):
+    real = bench._generate
+
+    def corrupted(target, inputs, method, drafter, max_new_tokens, budget):
+        sequences, rounds = real(target, inputs, method, drafter, max_new_tokens, budget)
+        if method.name == "treespark":
+            sequences = sequences.clone()
+            sequences[0, -1] = (sequences[0, -1] + 1) % target.config.vocab_size
+        return sequences, rounds
+
+    monkeypatch.setattr(bench, "_generate", corrupted)
+    out = tmp_path / "bench"
+    rc = bench.main(["--smoke", "--suites", "mtbench", "--methods", "plain,treespark", "--output-dir", str(out)])
+    assert rc == 1
+    report = json.loads((out / "results.json").read_text())
+    assert len(report["violations"]) == 1 and report["violations"][0].startswith("treespark on mtbench")
+    row = next(r for r in report["results"] if r["method"] == "treespark")
+    assert row["exact"] == 0
+
+
+def test_bad_arguments_are_refused_by_name(capsys):
+    assert cli.main(["bench", "--suites", "mtbench,nosuch"]) == 2
+    assert "unknown suite 'nosuch'" in capsys.readouterr().err
+    assert cli.main(["bench", "--drafter", "foo"]) == 2
+    assert "ROLE=PATH" in capsys.readouterr().err
+
+
+def test_calibrate_writes_an_acceptance_profile_the_drafter_loads(tmp_path):
+    drafter_dir = tmp_path / "drafter"
+    shutil.copytree(assets.DEFAULT_DRAFTER_DIR, drafter_dir)
+    rc = cli.main(["calibrate", "--drafter", str(drafter_dir), "--num-prompts", "1", "--max-new-tokens", "8",
+                   "--budgets", "2,8", "--suite", "mtbench"])
+    assert rc == 0
+    drafter = TreeSparkDrafter.from_pretrained(drafter_dir, dtype=torch.float32)
+    profile = drafter.config.acceptance_profile
+    assert set(profile) == {"2", "8"} and all(t >= 1.0 for t in profile.values())
