@@ -91,8 +91,8 @@ def resolve_policy(drafter, tree_budget=None, tree_topk=None, tree_depth=None, t
             depth=depth,
         )
         if is_auto(budget):  # the largest candidate pool; the first round picks the budget
-            policy.validate(cfg.block_size)
-            policy = replace(policy, budget=min(max(CANDIDATE_BUDGETS), policy.num_candidates))
+            pool = replace(policy, budget=max(CANDIDATE_BUDGETS))
+            policy = replace(pool, budget=min(pool.budget, pool.num_candidates))
     policy.validate(cfg.block_size)
     return policy
 

@@ -38,10 +38,15 @@ class TreePolicy:
                              f"use a depth between 1 and {block_size}")
 
     @property
+    def expanded_depth(self) -> int:
+        """Depths worth drafting: a prefix-closed set of `N` nodes never reaches below depth `N`."""
+        return min(self.depth, self.budget)
+
+    @property
     def num_candidates(self) -> int:
-        """Candidates before packing: `k + (D - 1) * min(F, ...) * k`."""
+        """Candidates before packing: `k + (D' - 1) * min(F, ...) * k`, `D'` the expanded depth."""
         total, width = self.topk, self.topk
-        for _ in range(1, self.depth):
+        for _ in range(1, self.expanded_depth):
             width = min(self.frontier, width) * self.topk
             total += width
         return total
@@ -125,7 +130,7 @@ def _build_tree(depth_logits, markov_bias, root_tokens, policy: TreePolicy) -> D
     front_score = torch.zeros(b, 1, device=device)
     front_cand = torch.full((b, 1), -1, dtype=torch.long, device=device)
     offset = 0
-    for d in range(1, policy.depth + 1):
+    for d in range(1, policy.expanded_depth + 1):  # deeper candidates could never be packed
         logp = torch.log_softmax(depth_logits[:, d - 1, None, :].float() + markov_bias(front_tok), dim=-1)  # [b, P, V]
         top_logp, top_tok = logp.topk(k, dim=-1)  # [b, P, k]
         num_parents = front_tok.shape[1]

@@ -139,7 +139,7 @@ def test_replay_survival_mass_and_coverage_over_every_expanded_parent():
     logits = torch.randn(1, depth, vocab, generator=gen, requires_grad=True)
     roots = torch.tensor([0])
     q = torch.softmax(torch.randn(1, depth, vocab, generator=gen) * 2, -1)
-    policy = TreePolicy(topk=2, frontier=2, budget=2, depth=depth)  # tiny budget: most parents get nothing packed
+    policy = TreePolicy(topk=2, frontier=2, budget=3, depth=depth)  # tiny budget: most parents get nothing packed
     drafter = _Markov(vocab, 2)
     cfg = LossConfig(coverage_top_j=3)
     w = depth_weights(depth, 4.0)
@@ -163,7 +163,7 @@ def test_replay_survival_mass_and_coverage_over_every_expanded_parent():
     expected_den = sum(w[k].item() * parents * q[0, k].topk(3).values.sum().item()
                        for k, parents in enumerate([1, 2, 2]))
     assert terms["cov"][1].item() == pytest.approx(expected_den, rel=1e-5)
-    assert tree.num_nodes == 2
+    assert tree.num_nodes == 3
 
 
 def test_presets_are_one_switch_each():

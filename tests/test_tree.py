@@ -142,3 +142,24 @@ def test_every_candidate_parent_was_an_expanded_frontier_node():
     expanded = set(itertools.chain.from_iterable(e[0][0].tolist() for e in cand.expansions))
     assert set(cand.parents[0].tolist()) <= expanded
     assert len(cand.expansions) == 5
+
+
+@settings(max_examples=40, deadline=None)
+@given(policy=policies, seed=st.integers(0, 10_000))
+def test_a_small_budget_drafts_fewer_depths_and_packs_the_same_tree(policy, seed):
+    """Budget N < depth expands only N depths; the packed tree equals the top N of the full-depth pool."""
+    logits, markov, roots = random_inputs(seed, 1, policy.depth)
+    small = build_tree(logits, markov, roots, policy)
+    full = build_tree(logits, markov, roots, TreePolicy(policy.topk, policy.frontier, 10_000, policy.depth))
+    assert int(small.candidates.depths.max()) == policy.expanded_depth
+    cand = full.candidates
+    scores, depths = cand.scores[0].tolist(), cand.depths[0].tolist()
+    ranked = sorted(range(len(scores)), key=lambda i: (-scores[i], depths[i], i))[: small.num_nodes]
+    expected = set()
+    for c in ranked:
+        path, node = [], c
+        while node >= 0:
+            path.append(int(cand.tokens[0, node]))
+            node = int(cand.parents[0, node])
+        expected.add(tuple(reversed(path)))
+    assert set(paths(small, 0)[1:]) == expected

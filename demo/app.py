@@ -1,0 +1,23 @@
+"""The TreeSpark Gradio demo: `python demo/app.py [--target NAME_OR_PATH] [--drafter NAME_OR_PATH] [--port 7860]`.
+
+The same as `treespark demo`. The app itself lives in `hf_treespark/demo.py` (so the installed
+command has it); `build_app` is re-exported here for scripts that want the `gr.Blocks` object.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from hf_treespark.cli import main as treespark_main
+from hf_treespark.demo import build_app, launch
+
+__all__ = ["build_app", "launch", "main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse `--target --drafter --host --port --share --dtype` and serve the app until Ctrl+C."""
+    return treespark_main(["demo", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""Install a trained drafter as the package's embedded default (`hf_treespark/default_drafter/`).
+
+    python scripts/ship_drafter.py runs/cmp-treespark/final [--table bench_results/results.md]
+
+Stores bf16 weights (the package carries the modeling code, so no remote-code copies and no
+`auto_map`), keeps the drafter's `acceptance_profile`, sets `tree_budget="auto"` and writes the
+model card with the given acceptance table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from hf_treespark.assets import DEFAULT_DRAFTER_DIR
+from hf_treespark.hub import save_drafter
+from hf_treespark.modeling import TreeSparkDrafter
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("drafter", help="trained drafter directory (e.g. runs/treespark/final)")
+    parser.add_argument("--table", help="markdown file with the acceptance table for the model card")
+    parser.add_argument("--budget", default="auto", help="tree budget to ship ('auto' or an integer)")
+    args = parser.parse_args(argv)
+
+    drafter = TreeSparkDrafter.from_pretrained(args.drafter, dtype=torch.bfloat16)
+    drafter.config.tree_budget = args.budget if args.budget == "auto" else int(args.budget)
+    drafter.config.validate_fields()
+    table = Path(args.table).read_text() if args.table else None
+    staging = DEFAULT_DRAFTER_DIR.with_name("default_drafter.staging")
+    shutil.rmtree(staging, ignore_errors=True)
+    save_drafter(drafter, staging, acceptance_table=table)
+    for extra in staging.glob("*.py"):
+        extra.unlink()
+    config_path = staging / "config.json"
+    config = json.loads(config_path.read_text())
+    config.pop("auto_map", None)
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    TreeSparkDrafter.from_pretrained(staging)  # refuse to ship what does not load
+    shutil.rmtree(DEFAULT_DRAFTER_DIR, ignore_errors=True)
+    staging.rename(DEFAULT_DRAFTER_DIR)
+    size = sum(p.stat().st_size for p in DEFAULT_DRAFTER_DIR.iterdir()) / 2**20
+    print(f"shipped {args.drafter} -> {DEFAULT_DRAFTER_DIR} ({size:.0f} MB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,244 @@
+"""The Gradio demo: rendering on its own, the app's API through gradio_client, and the page in a real browser.
+
+The browser test drives headless Chromium (Debian's `chromium` package) with Python Playwright
+and saves a screenshot. To regenerate the README's picture:
+
+    HF_TREESPARK_DEMO_SCREENSHOT=docs/demo.png .venv/bin/python -m pytest tests/test_demo.py -k browser
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hf_treespark.cli import main as treespark_main
+from hf_treespark.demo import (
+    Band,
+    DemoSettings,
+    TokenText,
+    acceptance_histogram,
+    check_request,
+    render_answer,
+    render_tree,
+)
+from hf_treespark.generation import RoundRecord
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPT = "Explain what a binary search does."
+MAX_NEW_TOKENS = 24
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+# ----- rendering, without models or gradio ---------------------------------------------------------
+def test_answer_bands_escape_token_text_and_mark_the_bonus():
+    bands = [Band(["<b>"], None, bonus=False), Band(["a", " & ", "b"], 0), Band(["c"], 1, bonus=False)]
+    page = render_answer(bands)
+    assert "&lt;b&gt;" in page and "<b>" not in page and " &amp; " in page
+    assert page.count('class="ts-band ts-round"') == 2 and page.count('class="ts-band ts-prefill"') == 1
+    assert page.count('class="ts-bonus"') == 1  # round 0's last token; round 1 was cut short
+    answer = page[page.index('<div class="ts-answer"'):]
+    assert "</span><span" in answer  # bands touch: the text content is exactly the answer
+
+
+def test_token_text_holds_back_a_split_character():
+    class ByteTokenizer:  # token id = one UTF-8 byte
+        def decode(self, ids, skip_special_tokens=True):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    ids = list("ab é!".encode())
+    text = TokenText(ByteTokenizer())
+    pieces = text.add(ids[:4]) + text.add(ids[4:])
+    assert pieces == ["a", "b", " ", "", "é", "!"]
+    assert "".join(pieces) == "ab é!"
+
+
+def test_check_request_names_each_problem():
+    assert check_request("hi", DemoSettings()) is None
+    assert "empty" in check_request("   ", DemoSettings())
+    assert "tree budget must be between 1 and 128, got 0" in check_request("hi", DemoSettings(tree_budget=0))
+    assert "tree budget" in check_request("hi", DemoSettings(tree_budget=10**6))
+    assert "max new tokens" in check_request("hi", DemoSettings(max_new_tokens=0))
+    assert "whole number" in check_request("hi", DemoSettings(tree_topk=2.5))
+
+
+def test_tree_drawing_marks_accepted_packed_and_pruned_candidates():
+    # Root 10; candidates: 11, 12 (depth 1), 13, 14 under 11 (depth 2). Packed: 11, 12, 13. Accepted: 11.
+    # The target's bonus after 11 is 14: drafted, but pruned by packing.
+    tree = {
+        "tokens": [10, 11, 12, 13], "parents": [-1, 0, 0, 1], "depths": [0, 1, 1, 2],
+        "scores": [0.0, -0.1, -0.5, -0.9],
+        "candidates": {"tokens": [11, 12, 13, 14], "parents": [-1, -1, 0, 0], "depths": [1, 1, 2, 2],
+                       "scores": [-0.1, -0.5, -0.9, -1.2], "packed": [True, True, True, False],
+                       "node_index": [1, 2, 3, -1]},
+    }
+    record = RoundRecord(tree_size=3, num_accepted=1, accepted_path=[1], committed=[11, 14], tree=tree)
+    labels = {10: "root", 11: "<a>", 12: "b", 13: "c", 14: "d"}
+    page = render_tree(record, labels, 0, 1)
+    assert page.count('class="ts-node ts-root"') == 1
+    assert page.count('class="ts-node ts-accepted"') == 1 and "&lt;a&gt;" in page
+    assert page.count('class="ts-node ts-packed"') == 2 and page.count('class="ts-node ts-pruned"') == 1
+    assert "packed 3 of 4 candidates" in page and "drafted, but not packed" in page
+
+
+def test_histogram_counts_rounds_per_committed_length():
+    frame = acceptance_histogram([1, 3, 3, 8], depth=7)
+    assert list(frame["tokens per round"]) == [str(k) for k in range(1, 9)]
+    assert list(frame["rounds"]) == [1, 0, 2, 0, 0, 0, 0, 1]
+
+
+def test_package_imports_without_gradio():
+    code = ("import sys, hf_treespark, hf_treespark.demo, hf_treespark.cli; "
+            "assert 'gradio' not in sys.modules, 'gradio imported eagerly'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_cli_demo_without_gradio_says_how_to_install(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "gradio", None)  # `import gradio` now raises ImportError
+    assert treespark_main(["demo"]) == 2
+    assert "pip install 'hf_treespark[demo]'" in capsys.readouterr().err
+
+
+# ----- the running app ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def models():
+    from hf_treespark import assets
+
+    target, tokenizer = assets.load_default_target()
+    return target, tokenizer, assets.load_default_drafter()
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(models) -> list[int]:
+    """The new token ids of plain greedy decoding for PROMPT."""
+    from hf_treespark import assets
+
+    target, tokenizer, _ = models
+    inputs = assets.chat_inputs(tokenizer, PROMPT)
+    sequences = target.generate(**inputs, do_sample=False, max_new_tokens=MAX_NEW_TOKENS)
+    return sequences[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def app_url(models):
+    pytest.importorskip("gradio", reason="the demo extra is not installed: pip install 'hf_treespark[demo]'")
+    from hf_treespark.demo import build_app, launch
+
+    target, tokenizer, drafter = models
+    app = build_app(target, tokenizer, drafter)
+    port = _free_port()
+    launch(app, port=port, prevent_thread_lock=True, quiet=True)
+    yield f"http://127.0.0.1:{port}/"
+    app.close()
+
+
+@pytest.fixture(scope="module")
+def client(app_url):
+    gradio_client = pytest.importorskip("gradio_client")
+    return gradio_client.Client(app_url, verbose=False)
+
+
+def _generate(client, prompt, max_new_tokens=MAX_NEW_TOKENS, budget=8, topk=4, chain=False, temperature=0.0,
+              compare=True) -> dict:
+    """The /generate endpoint's JSON result (its sixth output)."""
+    outputs = client.predict(prompt, max_new_tokens, budget, topk, chain, temperature, compare, api_name="/generate")
+    return outputs[5]
+
+
+@pytest.mark.slow
+def test_api_answer_equals_plain_greedy_with_per_round_data(client, models, plain_greedy):
+    tokenizer = models[1]
+    result = _generate(client, PROMPT)
+    assert result["error"] is None and result["finished"]
+    assert result["new_token_ids"] == plain_greedy
+    assert result["text"] == tokenizer.decode(plain_greedy, skip_special_tokens=True)
+    assert result["check"] == "identical to plain greedy" and result["plain"]["identical"] is True
+    rounds = result["rounds"]
+    assert len(rounds) == result["num_rounds"] > 0
+    # The prefill forward commits the first token, each round the rest.
+    assert 1 + sum(len(r["committed"]) for r in rounds) == len(result["new_token_ids"])
+    assert [t for r in rounds for t in r["committed_ids"]] == plain_greedy[1:]
+    assert all(1 <= r["tree_size"] <= 8 and 0 <= r["num_accepted"] <= r["tree_size"] for r in rounds)
+    assert result["acceptance_length"] == pytest.approx(sum(len(r["committed"]) for r in rounds) / len(rounds))
+
+
+@pytest.mark.slow
+def test_api_bad_input_gets_a_readable_message_and_the_app_keeps_running(client):
+    from gradio_client.exceptions import AppError
+
+    empty = client.predict("   ", 8, 8, 4, False, 0.0, False, api_name="/generate")
+    assert empty[5] == {"error": "The prompt is empty: type a question or an instruction first."}
+    assert "prompt is empty" in empty[6]
+    for budget, max_new_tokens in ((0, 8), (10**6, 8), (8, 0)):
+        with pytest.raises(AppError, match="less than minimum|greater than maximum"):
+            client.predict("hi", max_new_tokens, budget, 4, False, 0.0, False, api_name="/generate")
+    message = client.predict("", "/no/such/drafter", api_name="/load_models")
+    assert "No TreeSpark drafter directory at '/no/such/drafter'" in message and "still using" in message
+    message = client.predict("./no/such/target", "", api_name="/load_models")
+    assert "No target model directory at './no/such/target'" in message
+    short = _generate(client, "Say hi.", max_new_tokens=2, compare=False)  # still serving, same models
+    assert short["error"] is None and short["new_tokens"] == 2
+    assert [len(r["committed"]) for r in short["rounds"]] == [1]  # one round, cut to one token by the limit
+
+
+def _screenshot_path(tmp_path: Path) -> Path:
+    wanted = os.environ.get("HF_TREESPARK_DEMO_SCREENSHOT")
+    if not wanted:
+        return tmp_path / "demo.png"
+    path = Path(wanted)
+    return path if path.is_absolute() else REPO / path
+
+
+@pytest.mark.slow
+def test_browser_shows_round_bands_the_tree_and_the_greedy_check(app_url, models, plain_greedy, tmp_path):
+    if os.environ.get("HF_TREESPARK_REQUIRE_BROWSER"):  # CI: a missing browser is a failure, not a skip
+        assert shutil.which(CHROMIUM), f"no Chromium at {CHROMIUM}: apt-get install chromium"
+    playwright = pytest.importorskip("playwright.sync_api", reason="pip install playwright (the Python package)")
+    if not shutil.which(CHROMIUM):
+        pytest.skip(f"no Chromium at {CHROMIUM}: apt-get install chromium")
+    tokenizer = models[1]
+    with playwright.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(app_url)
+            page.fill("#ts-prompt textarea", PROMPT)
+            max_tokens = page.locator("#ts-max-new-tokens input[type=number]")
+            max_tokens.fill(str(MAX_NEW_TOKENS))
+            max_tokens.press("Enter")
+            page.click("#ts-generate")
+            page.wait_for_selector(".ts-round", timeout=300_000)  # bands stream in, round by round
+            page.wait_for_selector(".ts-tree-svg", timeout=600_000)  # the run finished: trees drawn
+            page.wait_for_selector(".ts-check", timeout=600_000)  # the plain run finished: checked
+            page.wait_for_timeout(1000)  # let the histogram settle
+            path = _screenshot_path(tmp_path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(path), full_page=True)
+
+            answer = page.locator(".ts-answer").text_content()
+            assert answer == tokenizer.decode(plain_greedy, skip_special_tokens=True)
+            rounds = page.locator(".ts-round").count()
+            assert rounds > 0 and page.locator(".ts-prefill").count() == 1
+            assert page.locator(".ts-bonus").count() >= rounds - 1  # only the last round may be cut short
+            assert "identical to plain greedy" in page.locator(".ts-check").text_content()
+            assert page.locator(".ts-node.ts-root").count() == 1
+            assert page.locator(".ts-node.ts-packed, .ts-node.ts-accepted").count() == 8  # the tree budget
+            assert page.locator(".ts-node.ts-pruned").count() > 0
+            assert f"of {rounds}" in page.locator(".ts-tree-caption").text_content()
+            assert page.locator("#ts-histogram canvas, #ts-histogram svg").count() > 0
+            assert path.stat().st_size > 10_000
+        finally:
+            browser.close()
