@@ -398,6 +398,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     except BenchmarkError as err:
         report, failed = err.report, err
     report["config"]["drafters"] = {role: paths.get(role, "shipped default") for role in drafters}
+    report["config"]["target"] = args.target or assets.DEFAULT_TARGET_NAME
     written = write_report(report, args.output_dir)
     print(markdown_table(report))
     print("wrote " + ", ".join(str(p) for p in written))

@@ -99,7 +99,12 @@ def cmd_calibrate(args) -> int:
         raise OSError(f"No TreeSpark drafter directory at {args.drafter!r} (config.json missing)")
     target, tokenizer, drafter = _load_pair(args)
     budgets = tuple(int(n) for n in args.budgets.split(","))
-    prompts = [assets.chat_inputs(tokenizer, p) for p in select_prompts(args.suite, args.num_prompts)]
+    if args.suite == "sharegpt":  # held-out records past those the benchmark draws from
+        texts = assets.sharegpt_prompts("heldout", limit=400)[200:]
+    else:
+        texts = select_prompts(args.suite, 4 * args.num_prompts)
+    prompts = [inputs for inputs in (assets.chat_inputs(tokenizer, t) for t in texts)
+               if inputs["input_ids"].shape[1] <= 512][: args.num_prompts]
     profile = calibrate_acceptance(target, drafter, prompts, budgets, args.max_new_tokens)
     config = json.loads(config_path.read_text())
     config["acceptance_profile"] = profile
