@@ -219,6 +219,9 @@ def test_browser_shows_round_bands_the_tree_and_the_greedy_check(app_url, models
             max_tokens = page.locator("#ts-max-new-tokens input[type=number]")
             max_tokens.fill(str(MAX_NEW_TOKENS))
             max_tokens.press("Enter")
+            budget = page.locator("#ts-budget input[type=number]")  # the shipped default is "auto"
+            budget.fill("8")
+            budget.press("Enter")
             page.click("#ts-generate")
             page.wait_for_selector(".ts-round", timeout=300_000)  # bands stream in, round by round
             page.wait_for_selector(".ts-tree-svg", timeout=600_000)  # the run finished: trees drawn
