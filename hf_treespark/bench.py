@@ -173,11 +173,10 @@ def run_benchmark(target, tokenizer, drafters: dict, suites=SUITES, methods=tupl
 
     results, violations = {}, []
     for suite in suites:
-        prompts = [p for p in select_prompts(suite, 4 * num_prompts)
-                   if assets.chat_inputs(tokenizer, p)["input_ids"].shape[1] <= max_prompt_tokens][:num_prompts]
+        encoded = (assets.chat_inputs(tokenizer, p) for p in select_prompts(suite, 4 * num_prompts))
+        prompts = [inputs for inputs in encoded if inputs["input_ids"].shape[1] <= max_prompt_tokens][:num_prompts]
         rows = {m.name: MethodResult(suite, m.name, m.label, rounds_reaching_depth=[0] * depth) for m in runnable}
-        for prompt in tqdm(prompts, desc=f"bench {SUITE_LABELS[suite]}", disable=not progress):
-            inputs = assets.chat_inputs(tokenizer, prompt)
+        for index, inputs in enumerate(tqdm(prompts, desc=f"bench {SUITE_LABELS[suite]}", disable=not progress)):
             prompt_len = inputs["input_ids"].shape[1]
             reference = None
             for method in runnable:
@@ -208,7 +207,7 @@ def run_benchmark(target, tokenizer, drafters: dict, suites=SUITES, methods=tupl
                 report = check_greedy_equivalence(target, reference, sequences)
                 row.exact += int(report.ok)
                 if not report.ok:
-                    violations.append(f"{method.name} on {suite} prompt {prompts.index(prompt)}: {report}")
+                    violations.append(f"{method.name} on {suite} prompt {index}: {report}")
         plain_tps = rows["plain"].new_tokens / rows["plain"].seconds if rows["plain"].seconds else None
         for row in rows.values():
             row.finish(plain_tps)
@@ -351,7 +350,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_from_args(args: argparse.Namespace) -> int:
     from . import assets
-    from .modeling import TreeSparkDrafter
+    from .cli import load_drafter, load_target
 
     dtype = DTYPES[args.dtype]
     suites = [s.strip() for s in args.suites.split(",") if s.strip()]
@@ -360,6 +359,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         for value in suites if name == "suite" else methods:
             if value not in known:
                 raise ValueError(f"unknown {name} {value!r}; choose from {', '.join(known)}")
+    if args.budget != "auto" and not (args.budget.isdigit() and int(args.budget) > 0):
+        raise ValueError(f"--budget {args.budget!r}: expected a positive integer or 'auto'")
     budget = args.budget if args.budget == "auto" else int(args.budget)
     if args.smoke:
         args.num_prompts, args.max_new_tokens = 1, 8
@@ -373,22 +374,16 @@ def run_from_args(args: argparse.Namespace) -> int:
         if not sep or role not in ("treespark", "dspark", "dspark_tree"):
             raise ValueError(f"--drafter {item!r}: expected ROLE=PATH with ROLE one of treespark, dspark, dspark_tree")
         paths[role] = path
-    if args.target:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype, attn_implementation="sdpa").eval()
-        tokenizer = AutoTokenizer.from_pretrained(args.target)
-    else:
-        target, tokenizer = assets.load_default_target(dtype=dtype)
+    target, tokenizer = load_target(args.target, dtype)
     drafters, loaded = {}, {}
     for role in ("treespark", "dspark", "dspark_tree"):
         path = paths.get(role)
         if path is None and role == "treespark" and not args.target:
-            path = str(assets.DEFAULT_DRAFTER_DIR)
+            path = ""  # the shipped default drafter
         if path is None:
             continue
         if path not in loaded:
-            loaded[path] = TreeSparkDrafter.from_pretrained(path, dtype=dtype).eval()
+            loaded[path] = load_drafter(path, dtype)
         drafters[role] = loaded[path]
 
     try:
@@ -397,7 +392,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         failed = None
     except BenchmarkError as err:
         report, failed = err.report, err
-    report["config"]["drafters"] = {role: paths.get(role, "shipped default") for role in drafters}
+    report["config"]["drafters"] = {role: paths.get(role) or "shipped default" for role in drafters}
     report["config"]["target"] = args.target or assets.DEFAULT_TARGET_NAME
     written = write_report(report, args.output_dir)
     print(markdown_table(report))
@@ -409,9 +404,9 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hf_treespark.bench", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run_from_args(parser.parse_args(argv))
+    from .cli import main as cli_main
+
+    return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

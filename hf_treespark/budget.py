@@ -17,7 +17,6 @@ grows with `N` from the start and the best budget is small.
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 import os
@@ -30,7 +29,9 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
+from .assets import cache_dir
 from .tree import TreePolicy, build_tree
+from .verify import cache_kwarg
 
 CANDIDATE_BUDGETS = (2, 4, 8, 16, 32, 64)
 LATENCY_FILE = "round_latency.json"
@@ -38,10 +39,6 @@ LATENCY_FILE = "round_latency.json"
 
 def is_auto(budget) -> bool:
     return isinstance(budget, str) and budget == "auto"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("HF_TREESPARK_CACHE", Path.home() / ".cache" / "hf_treespark"))
 
 
 def device_signature(device: torch.device) -> str:
@@ -110,7 +107,7 @@ def measure_round_latency(target, drafter, policy: TreePolicy, budgets=CANDIDATE
     generator = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, vocab, (1, context), generator=generator).to(device)
     cache = DynamicCache(config=target.config)
-    cache_kw = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+    cache_kw = cache_kwarg(target)
     target(input_ids=prefix, use_cache=True, **{cache_kw: cache})
     hidden_ids = [i + 1 for i in drafter.config.target_layer_ids]
     width = len(hidden_ids) * drafter.config.target_hidden_size
@@ -152,7 +149,7 @@ def measure_round_latency(target, drafter, policy: TreePolicy, budgets=CANDIDATE
 def round_latency(target, drafter, policy: TreePolicy, budgets=CANDIDATE_BUDGETS, context: int = 256,
                   refresh: bool = False) -> dict:
     """`measure_round_latency`, read from / written to the on-disk cache."""
-    path = cache_dir() / LATENCY_FILE
+    path = cache_dir() / LATENCY_FILE  # beside the converted default target
     key = latency_key(target, drafter, policy, context)
     table = {}
     if path.is_file():

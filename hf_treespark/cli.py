@@ -98,7 +98,12 @@ def cmd_calibrate(args) -> int:
     if not config_path.is_file():
         raise OSError(f"No TreeSpark drafter directory at {args.drafter!r} (config.json missing)")
     target, tokenizer, drafter = _load_pair(args)
-    budgets = tuple(int(n) for n in args.budgets.split(","))
+    try:
+        budgets = tuple(int(n) for n in args.budgets.split(","))
+    except ValueError:
+        raise ValueError(f"--budgets {args.budgets!r}: expected comma-separated integers, e.g. 2,4,8") from None
+    if not budgets or min(budgets) < 1:
+        raise ValueError(f"--budgets {args.budgets!r}: budgets must be positive integers")
     if args.suite == "sharegpt":  # held-out records past those the benchmark draws from
         texts = assets.sharegpt_prompts("heldout", limit=400)[200:]
     else:
@@ -108,7 +113,9 @@ def cmd_calibrate(args) -> int:
     profile = calibrate_acceptance(target, drafter, prompts, budgets, args.max_new_tokens)
     config = json.loads(config_path.read_text())
     config["acceptance_profile"] = profile
-    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    tmp = config_path.with_suffix(".json.tmp")  # a crash never leaves a half-written config
+    tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    tmp.replace(config_path)
     print(f"[calibrate] acceptance length per budget on {args.num_prompts} {args.suite} prompts: {profile}; "
           f"written to {config_path}")
     return 0

@@ -15,7 +15,6 @@ prepares the generation config, logits processors and stopping criteria, then ca
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, replace
 
 import torch
@@ -25,7 +24,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .budget import CANDIDATE_BUDGETS, auto_budget, is_auto
 from .tree import DraftTree, TreePolicy, build_tree
-from .verify import commit_cache, greedy_accept, processed_accept, tree_attention_mask, tree_position_ids
+from .verify import cache_kwarg, commit_cache, greedy_accept, processed_accept, tree_attention_mask, tree_position_ids
 
 
 @dataclass
@@ -101,11 +100,6 @@ def wants_auto_budget(drafter, tree_budget=None, tree_chain=False) -> bool:
     return not tree_chain and is_auto(drafter.config.tree_budget if tree_budget is None else tree_budget)
 
 
-def _forward_kwarg_for_cache(model) -> str:
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
 def _first_stop(stopping_criteria: StoppingCriteriaList, ids: torch.Tensor, num_new: int) -> int | None:
     """How many of the `num_new` last tokens plain decoding would have produced before stopping."""
     start = ids.shape[1] - num_new
@@ -164,7 +158,7 @@ def treespark_decoding(
     choose_budget = wants_auto_budget(drafter, tree_budget, tree_chain)
     drafter.bind_target(model)
     streamer = treespark_streamer
-    cache_kw = _forward_kwarg_for_cache(model)
+    cache_kw = cache_kwarg(model)
     want_scores = bool(generation_config.output_scores)
     want_logits = bool(generation_config.output_logits)
     walk_processed = generation_config.do_sample or len(logits_processor) > 0 or want_scores or want_logits

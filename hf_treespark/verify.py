@@ -7,6 +7,7 @@ prefix and to its own root-to-node path.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,11 @@ def tree_attention_mask(
     mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[:, None]
+
+
+def cache_kwarg(model) -> str:
+    """The name under which `model.forward` takes its KV cache (`cache` in newer transformers)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def tree_position_ids(tree: DraftTree, past_len: int) -> torch.Tensor:
