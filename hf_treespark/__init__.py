@@ -4,6 +4,7 @@
 `target.generate(..., assistant_model=drafter)` to tree decoding.
 """
 
+import torch
 from transformers import AutoConfig, AutoModel
 
 from . import integration
@@ -28,14 +29,23 @@ def generate(target, drafter, input_ids=None, **kwargs):
     `return_dict_in_generate`, ...) plus the tree knobs `tree_budget`, `tree_topk`,
     `tree_depth`, `tree_frontier`, `tree_chain` and `tree_record`.
     """
+    if isinstance(input_ids, (list, tuple)):  # one prompt as a list of token ids
+        input_ids = torch.tensor([list(input_ids)], dtype=torch.long, device=target.device)
     return integration.treespark_generate(target, drafter, input_ids, **kwargs)
 
 
-def load_default_target(*args, **kwargs):
-    """`(model, tokenizer)` of the offline default target, SmolLM2-135M-Instruct (see `assets`)."""
+def load_default_target(dtype="auto", **kwargs):
+    """`(model, tokenizer)` of the offline default target, SmolLM2-135M-Instruct (`assets.load_default_target`)."""
     from .assets import load_default_target as _load
 
-    return _load(*args, **kwargs)
+    return _load(dtype=dtype, **kwargs)
+
+
+def load_default_drafter(dtype="auto", **kwargs):
+    """The TreeSpark drafter shipped in the package, for SmolLM2-135M-Instruct (`assets.load_default_drafter`)."""
+    from .assets import load_default_drafter as _load
+
+    return _load(dtype=dtype, **kwargs)
 
 
 __all__ = [
@@ -48,5 +58,6 @@ __all__ = [
     "TreeSparkGenerateOutput",
     "build_tree",
     "generate",
+    "load_default_drafter",
     "load_default_target",
 ]

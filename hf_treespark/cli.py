@@ -3,43 +3,31 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
-import torch
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def load_target(name: str | None = None, dtype: torch.dtype = torch.float32):
-    """`(model, tokenizer)`: a causal LM by name or path (sdpa attention), or the offline default when empty."""
-    from . import assets
-
-    if not name:
-        return assets.load_default_target(dtype=dtype)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if name.startswith((os.sep, ".", "~")) and not os.path.isdir(os.path.expanduser(name)):
-        raise OSError(f"No target model directory at {name!r}: check the path (a Hub repo id looks like 'org/name').")
-    target = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="sdpa").eval()
-    return target, AutoTokenizer.from_pretrained(name)
-
-
-def load_drafter(name: str | None = None, dtype: torch.dtype = torch.float32):
-    """A TreeSpark drafter by name or path, or the shipped default drafter when empty."""
-    from . import assets
-    from .modeling import TreeSparkDrafter
-
-    if not name:
-        return assets.load_default_drafter(dtype=dtype)
-    return TreeSparkDrafter.from_pretrained(name, dtype=dtype).eval()
+from .loading import load_pair
+from .precision import DTYPE_CHOICES, dtype_name
 
 
 def _load_pair(args):
-    dtype = DTYPES[args.dtype]
-    target, tokenizer = load_target(args.target, dtype)
-    return target, tokenizer, load_drafter(args.drafter, dtype)
+    return load_pair(args.target, args.drafter, args.dtype)
+
+
+def ensure_latency(target, drafter, quiet: bool = False) -> None:
+    """First use on a machine: measure what a round costs here (once; cached) for `tree_budget="auto"`."""
+    from .budget import calibrate_latency, has_latency
+    from .tree import TreePolicy
+
+    if not TreePolicy.from_config(drafter.config).auto or has_latency(target, drafter):
+        return
+    if not quiet:
+        print("[treespark] first use on this machine: measuring what a round costs for each tree budget "
+              "(once; cached for tree_budget='auto')...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    calibrate_latency(target, drafter)
+    if not quiet:
+        print(f"[treespark] measured in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
 
 
 def cmd_generate(args) -> int:
@@ -49,6 +37,8 @@ def cmd_generate(args) -> int:
     from .exactness import check_greedy_equivalence
 
     target, tokenizer, drafter = _load_pair(args)
+    if args.budget is None and not args.chain:
+        ensure_latency(target, drafter)
     inputs = assets.chat_inputs(tokenizer, args.prompt)
     knobs = {"tree_chain": args.chain}
     if args.budget is not None:
@@ -63,7 +53,8 @@ def cmd_generate(args) -> int:
     seconds = time.perf_counter() - start
     new = out.sequences.shape[1] - inputs["input_ids"].shape[1]
     print(f"\n[treespark] {new} tokens in {len(out.rounds)} rounds, mean acceptance length "
-          f"{out.acceptance_length:.2f}, {new / seconds:.1f} tokens/s ({args.dtype})")
+          f"{out.acceptance_length:.2f}, tree budget {out.tree_budget}, {new / seconds:.1f} tokens/s "
+          f"({dtype_name(target.dtype)})")
     if args.compare:
         start = time.perf_counter()
         plain = target.generate(**inputs, max_new_tokens=args.max_new_tokens, **sample)
@@ -110,6 +101,7 @@ def cmd_calibrate(args) -> int:
         texts = select_prompts(args.suite, 4 * args.num_prompts)
     prompts = [inputs for inputs in (assets.chat_inputs(tokenizer, t) for t in texts)
                if inputs["input_ids"].shape[1] <= 512][: args.num_prompts]
+    ensure_latency(target, drafter)
     profile = calibrate_acceptance(target, drafter, prompts, budgets, args.max_new_tokens)
     config = json.loads(config_path.read_text())
     config["acceptance_profile"] = profile
@@ -125,7 +117,7 @@ def cmd_demo(args) -> int:
     from .demo import build_app, import_gradio, launch
 
     import_gradio()  # before loading models: say at once if the demo extra is missing
-    app = build_app(target_name=args.target, drafter_name=args.drafter, dtype=DTYPES[args.dtype])
+    app = build_app(target_name=args.target, drafter_name=args.drafter, dtype=args.dtype)
     launch(app, host=args.host, port=args.port, share=args.share)
     return 0
 
@@ -136,7 +128,8 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to serve on (0.0.0.0: the whole network)")
     parser.add_argument("--port", type=int, default=7860)
     parser.add_argument("--share", action="store_true", help="also open a public gradio.live link (off by default)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                        help="auto: bf16 where the device computes it natively, else fp32")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--topk", type=int, help="children per frontier parent")
     gen.add_argument("--chain", action="store_true", help="chain mode (plain DSpark drafting)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    gen.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                        help="auto: bf16 where the device computes it natively, else fp32")
     gen.add_argument("--compare", action="store_true", help="also run plain decoding: speedup and exactness check")
     gen.set_defaults(func=cmd_generate)
 
@@ -169,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     cal.add_argument("--num-prompts", type=int, default=8)
     cal.add_argument("--max-new-tokens", type=int, default=96)
     cal.add_argument("--budgets", default="2,4,8,16,32,64")
-    cal.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    cal.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                        help="auto: bf16 where the device computes it natively, else fp32")
     cal.set_defaults(func=cmd_calibrate)
 
     demo = sub.add_parser("demo", help="the Gradio demo: watch rounds commit and inspect each drafted tree")

@@ -25,6 +25,7 @@ from transformers.generation.streamers import BaseStreamer
 from . import assets
 from .exactness import check_greedy_equivalence
 from .generation import RoundRecord, TreeSparkGenerateOutput
+from .loading import load_drafter, load_pair
 from .tree import TreePolicy
 
 BAND_COLOURS = ("#ffd6a5", "#b9fbc0", "#a3c4f3", "#fdffb6", "#ffc6ff", "#98f5e1", "#cfbaf0", "#ffadad")
@@ -157,13 +158,9 @@ class ModelPair:
 
     @classmethod
     def load(cls, target: str | None = None, drafter: str | None = None,
-             dtype: torch.dtype = torch.float32) -> "ModelPair":
+             dtype: str | torch.dtype = "auto") -> "ModelPair":
         """By name or path; None = the offline default target / the shipped drafter."""
-        from .cli import load_drafter, load_target
-
-        target_model, tokenizer = load_target(target, dtype)
-        drafter_model = load_drafter(drafter, dtype)
-        drafter_model.check_target(target_model)
+        target_model, tokenizer, drafter_model = load_pair(target, drafter, dtype)
         return cls(target_model, tokenizer, drafter_model, describe_pair(target, drafter))
 
 
@@ -568,18 +565,17 @@ def import_gradio():
 
 def initial_budget(target, drafter) -> tuple[int, str]:
     """The budget slider's start: the config's budget, or for `"auto"` the one chosen for this machine."""
-    config = drafter.config
     label = "tree budget N (nodes verified per round)"
-    if isinstance(config.tree_budget, int):
-        return config.tree_budget, label
-    from .budget import auto_budget
-    from .generation import resolve_policy
+    policy = TreePolicy.from_config(drafter.config)
+    if not policy.auto:
+        return policy.budget, label
+    from .budget import auto_budget, has_latency
 
-    try:
-        chosen = auto_budget(target, drafter, resolve_policy(drafter))
-    except ValueError:  # no acceptance profile: the first round would decide; start from the policy default
+    chosen = auto_budget(target, drafter, policy)
+    if chosen is None:  # no acceptance profile: the first round would decide; start from the policy default
         return TreePolicy().budget, label
-    return chosen, f"{label}; {chosen} = measured best for this machine (tree_budget='auto')"
+    how = "measured best for this machine" if has_latency(target, drafter, policy) else "default before measuring"
+    return chosen, f"{label}; {chosen} = {how} (tree_budget='auto')"
 
 
 class _AppState:
@@ -600,7 +596,7 @@ band means many tokens for the price of one. Greedy output is identical to plain
 
 
 def build_app(target=None, tokenizer=None, drafter=None, *, target_name: str | None = None,
-              drafter_name: str | None = None, dtype: torch.dtype = torch.float32):
+              drafter_name: str | None = None, dtype: str | torch.dtype = "auto"):
     """The Gradio app (`gr.Blocks`). Pass loaded models (tests), or names/paths to load (None = defaults).
 
     API endpoints: `/generate` (outputs: answer HTML, stats HTML, histogram, round slider, tree
@@ -614,8 +610,6 @@ def build_app(target=None, tokenizer=None, drafter=None, *, target_name: str | N
         if tokenizer is None:
             raise ValueError("build_app: pass the target's tokenizer with the target")
         if drafter is None:
-            from .cli import load_drafter
-
             drafter = load_drafter(drafter_name, next(target.parameters()).dtype)
         drafter.check_target(target)
         pair = ModelPair(target, tokenizer, drafter, describe_pair(target_name or target.name_or_path, drafter_name))

@@ -1,30 +1,24 @@
-"""The TreeSpark decoding loop, its output type, and a `CandidateGenerator` for custom loops.
-
-Per round (SPEC sections 2-3):
-  1. one drafter pass over `[x0, MASK * (B - 1)]` with the newly committed target features,
-  2. the tree policy (`tree.build_tree`) packs `N` candidate nodes,
-  3. ONE target forward over `[x0] + nodes` with a tree mask and depth positions,
-  4. the acceptance walk picks the longest path the target agrees with, plus a bonus token,
-  5. the target cache keeps the root and accepted entries; their hidden states extend the
-     drafter's context; the bonus is the next round's `x0`.
+"""`generate()`'s TreeSpark loop, its output type, and a `CandidateGenerator` for custom loops.
 
 `treespark_decoding` has the signature of a transformers `custom_generate` callable: `generate()`
-prepares the generation config, logits processors and stopping criteria, then calls it
-(see `integration.py`).
+prepares the generation config, logits processors and stopping criteria, then calls it (see
+`integration.py`). It prefills, then drives `engine.TreeSparkSession` one round at a time
+(draft, verify in one target forward, accept, commit), and does what `generate` promises around
+that: stopping criteria inside a round, streaming, scores, per-round records.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .budget import CANDIDATE_BUDGETS, auto_budget, is_auto
-from .tree import DraftTree, TreePolicy, build_tree
-from .verify import cache_kwarg, commit_cache, greedy_accept, processed_accept, tree_attention_mask, tree_position_ids
+from .budget import auto_budget
+from .engine import TreeSparkSession, draft_pool
+from .tree import DraftTree, TreePolicy, pack_tree
 
 
 @dataclass
@@ -76,28 +70,9 @@ def acceptance_stats(rounds: list[RoundRecord], depth: int) -> tuple[float, list
 
 def resolve_policy(drafter, tree_budget=None, tree_topk=None, tree_depth=None, tree_frontier=None,
                    tree_chain=False) -> TreePolicy:
-    """The drafter config's tree policy, overridden by the per-call knobs."""
-    cfg = drafter.config
-    depth = cfg.block_size if tree_depth is None else tree_depth
-    if tree_chain:
-        policy = TreePolicy.chain(depth)
-    else:
-        budget = cfg.tree_budget if tree_budget is None else tree_budget
-        policy = TreePolicy(
-            topk=cfg.tree_topk if tree_topk is None else tree_topk,
-            frontier=cfg.tree_frontier if tree_frontier is None else tree_frontier,
-            budget=1 if is_auto(budget) else budget,
-            depth=depth,
-        )
-        if is_auto(budget):  # the largest candidate pool; the first round picks the budget
-            pool = replace(policy, budget=max(CANDIDATE_BUDGETS))
-            policy = replace(pool, budget=min(pool.budget, pool.num_candidates))
-    policy.validate(cfg.block_size)
-    return policy
-
-
-def wants_auto_budget(drafter, tree_budget=None, tree_chain=False) -> bool:
-    return not tree_chain and is_auto(drafter.config.tree_budget if tree_budget is None else tree_budget)
+    """The drafter config's tree policy, overridden by the per-call knobs (`TreePolicy.from_config`)."""
+    return TreePolicy.from_config(drafter.config, budget=tree_budget, topk=tree_topk, depth=tree_depth,
+                                  frontier=tree_frontier, chain=tree_chain, vocab_size=drafter.draft_vocab_size)
 
 
 def _first_stop(stopping_criteria: StoppingCriteriaList, ids: torch.Tensor, num_new: int) -> int | None:
@@ -127,6 +102,35 @@ def check_supported(model, drafter, input_ids: torch.Tensor, generation_config: 
                          "Call generate once per prompt.")
     if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError("TreeSpark decoding supports decoder-only targets.")
+    if input_ids.shape[1] == 0:
+        raise ValueError("input_ids is empty (shape [1, 0]): TreeSpark decoding needs at least one prompt token.")
+    vocab = model.get_input_embeddings().weight.shape[0]
+    top = int(input_ids.max())
+    if top >= vocab or int(input_ids.min()) < 0:
+        bad = top if top >= vocab else int(input_ids.min())
+        raise ValueError(f"input_ids holds token id {bad}, outside the target's vocabulary [0, {vocab}): "
+                         "tokenize with the target's own tokenizer.")
+
+
+def _left_padding(attention_mask: torch.Tensor | None, input_ids: torch.Tensor) -> int:
+    """Number of left-padding positions (batch size 1); other padding is refused."""
+    if attention_mask is None or bool(attention_mask.all()):
+        return 0
+    keep = attention_mask[0].bool()
+    num_pad = int(keep.nonzero()[0, 0]) if keep.any() else input_ids.shape[1]
+    if not bool(keep[num_pad:].all()):
+        raise ValueError("TreeSpark decoding supports left padding only (attention_mask zeros at the start).")
+    return num_pad
+
+
+def _auto_chooser(model, drafter, policy: TreePolicy):
+    """For `tree_budget="auto"`: the budget, fixed now when it can be, else a chooser for the first round."""
+    if not policy.auto:
+        return policy, None
+    chosen = auto_budget(model, drafter, policy)
+    if chosen is not None:
+        return policy.with_budget(chosen), None
+    return policy, lambda pool_scores: auto_budget(model, drafter, policy, pool_scores)
 
 
 @torch.no_grad()
@@ -151,132 +155,83 @@ def treespark_decoding(
 
     Returns `[1, prompt + new]` token ids, or a `TreeSparkGenerateOutput` with
     `return_dict_in_generate=True`. `tree_record=True` stores each round's tree in its record.
+    One target forward per round: nothing is measured here (`tree_budget="auto"` reads the latency
+    that `hf_treespark.budget.calibrate_latency` stored, or falls back to a default budget).
     """
     drafter = treespark_drafter
     check_supported(model, drafter, input_ids, generation_config)
     policy = resolve_policy(drafter, tree_budget, tree_topk, tree_depth, tree_frontier, tree_chain)
-    choose_budget = wants_auto_budget(drafter, tree_budget, tree_chain)
-    drafter.bind_target(model)
+    policy, choose_budget = _auto_chooser(model, drafter, policy)
     streamer = treespark_streamer
-    cache_kw = cache_kwarg(model)
     want_scores = bool(generation_config.output_scores)
     want_logits = bool(generation_config.output_logits)
-    walk_processed = generation_config.do_sample or len(logits_processor) > 0 or want_scores or want_logits
+    do_sample = bool(generation_config.do_sample)
 
     # Left padding (batch size 1): the target sees the unpadded prompt; processors and stopping
     # criteria see the padded sequence, as in plain decoding.
-    num_pad = 0
-    attention_mask = model_kwargs.get("attention_mask")
-    if attention_mask is not None and not bool(attention_mask.all()):
-        keep = attention_mask[0].bool()
-        num_pad = int(keep.nonzero()[0, 0]) if keep.any() else input_ids.shape[1]
-        if not bool(keep[num_pad:].all()):
-            raise ValueError("TreeSpark decoding supports left padding only (attention_mask zeros at the start).")
-
+    num_pad = _left_padding(model_kwargs.get("attention_mask"), input_ids)
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     if cache is None or not isinstance(cache, DynamicCache):
-        cache = DynamicCache(config=model.config)
-    if cache.get_seq_length() > 0:
+        cache = None
+    elif cache.get_seq_length() > 0:
         raise ValueError("TreeSpark decoding starts from an empty cache; do not pass a filled cache.")
-    hidden_ids = [i + 1 for i in drafter.config.target_layer_ids]
-
-    def features_of(out) -> torch.Tensor:
-        return torch.cat([out.hidden_states[i] for i in hidden_ids], dim=-1)
+    session = TreeSparkSession(model, drafter, policy, logits_processor=logits_processor, do_sample=do_sample,
+                               keep_scores=want_scores or want_logits, cache=cache, choose_budget=choose_budget)
 
     if streamer is not None:
         streamer.put(input_ids.cpu())
-
     # Prefill: the first token comes from the prompt's forward, as in plain decoding.
-    out = model(input_ids=input_ids[:, num_pad:], use_cache=True, output_hidden_states=hidden_ids, **{cache_kw: cache})
-    new_features = features_of(out)
-    scores, raw_logits = [], []
-    row = out.logits[:, -1].float()
+    row = session.prefill(input_ids[:, num_pad:]).float()
     processed = logits_processor(input_ids, row) if len(logits_processor) else row
-    if generation_config.do_sample:
+    if do_sample:
         first = torch.multinomial(torch.softmax(processed, dim=-1), num_samples=1)
     else:
         first = processed.argmax(dim=-1, keepdim=True)
-    if want_scores:
-        scores.append(processed)
-    if want_logits:
-        raw_logits.append(row)
+    scores = [processed] if want_scores else []
+    raw_logits = [row] if want_logits else []
     ids = torch.cat([input_ids, first], dim=1)
     if streamer is not None:
         streamer.put(first.cpu())
     done = _first_stop(stopping_criteria, ids, 1) is not None
 
-    drafter_cache = drafter.new_context_cache()
     rounds: list[RoundRecord] = []
     while not done:
-        past_len = ids.shape[1] - 1 - num_pad  # x0 = ids[:, -1] is not in the target cache yet
-        x0 = ids[:, -1]
-        draft = drafter(
-            anchor_ids=x0[:, None],
-            anchor_positions=torch.full_like(x0[:, None], past_len),
-            target_features=new_features,
-            context_cache=drafter_cache,
-        )
-        tree = build_tree(draft.depth_logits, drafter.markov_bias, x0, policy)
-        if choose_budget:  # tree_budget="auto": decided once, from the largest tree's scores if need be
-            policy = replace(policy, budget=auto_budget(model, drafter, policy, tree.scores[0, 1:]))
-            tree = build_tree(draft.depth_logits, drafter.markov_bias, x0, policy)
-            choose_budget = False
-
-        out = model(
-            input_ids=tree.tokens,
-            position_ids=tree_position_ids(tree, past_len),
-            attention_mask=tree_attention_mask(tree, past_len, model.dtype),
-            use_cache=True,
-            output_hidden_states=hidden_ids,
-            **{cache_kw: cache},
-        )
-        if walk_processed:
-            acc = processed_accept(tree, out.logits, ids, logits_processor, bool(generation_config.do_sample),
-                                   keep_scores=want_scores or want_logits)
-        else:
-            acc = greedy_accept(tree, out.logits)
-        num_accepted = int(acc.num_accepted[0])
-        keep = acc.path[:, : num_accepted + 1]
-        commit_cache(cache, past_len, keep)
-        features = features_of(out)  # root and accepted nodes attended to their ancestors only: exact
-        new_features = features.gather(1, keep[:, :, None].expand(-1, -1, features.shape[-1]))
-
-        new_tokens = acc.tokens[:, : num_accepted + 1]
+        rnd = session.step(ids)
+        new_tokens = rnd.tokens
         ids = torch.cat([ids, new_tokens], dim=1)
-        stop = _first_stop(stopping_criteria, ids, num_accepted + 1)
+        stop = _first_stop(stopping_criteria, ids, new_tokens.shape[1])
         if stop is not None:
-            ids = ids[:, : ids.shape[1] - (num_accepted + 1) + stop]
+            ids = ids[:, : ids.shape[1] - new_tokens.shape[1] + stop]
             new_tokens = new_tokens[:, :stop]
             done = True
         committed = new_tokens.shape[1]
         if want_scores:
-            scores.extend(acc.scores[:committed])
+            scores.extend(rnd.acceptance.scores[:committed])
         if want_logits:
-            raw_logits.extend(acc.raw_logits[:committed])
+            raw_logits.extend(rnd.acceptance.raw_logits[:committed])
         if streamer is not None:
-            streamer.put(new_tokens[0].cpu())
+            streamer.put(new_tokens.cpu())
         rounds.append(RoundRecord(
-            tree_size=tree.num_nodes,
-            num_accepted=min(num_accepted, committed),
-            accepted_path=keep[0, 1:committed + 1].tolist(),
+            tree_size=rnd.tree.num_nodes,
+            num_accepted=min(rnd.num_accepted, committed),
+            accepted_path=rnd.acceptance.path[0, 1:committed + 1].tolist(),
             committed=new_tokens[0].tolist(),
-            tree=tree_record_dict(tree) if tree_record else None,
+            tree=tree_record_dict(rnd.tree) if tree_record else None,
         ))
 
     if streamer is not None:
         streamer.end()
-    sequences = ids
     if not generation_config.return_dict_in_generate:
-        return sequences
-    mean, by_depth = acceptance_stats(rounds, policy.depth)
+        return ids
+    mean, by_depth = acceptance_stats(rounds, session.policy.depth)
     return TreeSparkGenerateOutput(
-        sequences=sequences,
+        sequences=ids,
         scores=tuple(scores) if want_scores else None,
         logits=tuple(raw_logits) if want_logits else None,
         rounds=rounds,
         acceptance_length=mean,
         acceptance_by_depth=by_depth,
-        tree_budget=policy.budget,
+        tree_budget=session.policy.budget,
     )
 
 
@@ -306,14 +261,17 @@ class TreeSparkCandidateGenerator(CandidateGenerator):
     nodes in order (parents first). `self.tree` holds the `DraftTree` (parents, depths,
     ancestor matrix) from which `tree_attention_mask` and `tree_position_ids` build the verify
     inputs. Feed back the target features of committed positions with `add_context(features)`
-    (`[b, s, n_layers * d_target]`, concatenated over `drafter.config.target_layer_ids`, HF index
-    `l + 1`) before each call: the drafter is conditioned on them.
+    (`[b, s, n_layers * d_target]`, `engine.select_features(out.hidden_states,
+    engine.feature_indices(drafter.config))`) before each call: the drafter is conditioned on them.
+    A policy with `tree_budget="auto"` packs its whole candidate pool here (no device-specific choice).
     """
 
     def __init__(self, drafter, target, policy: TreePolicy | None = None):
         drafter.bind_target(target)
         self.drafter = drafter
         self.policy = policy or resolve_policy(drafter)
+        if self.policy.auto:
+            self.policy = self.policy.with_budget(self.policy.budget)
         self.policy.validate(drafter.config.block_size)
         self.cache = drafter.new_context_cache()
         self.pending: torch.Tensor | None = None
@@ -329,10 +287,9 @@ class TreeSparkCandidateGenerator(CandidateGenerator):
             raise ValueError(f"the drafter has context for {committed} positions but input_ids has "
                              f"{input_ids.shape[1]} tokens: add_context() the features of all tokens but the last")
         x0 = input_ids[:, -1]
-        draft = self.drafter(anchor_ids=x0[:, None], anchor_positions=torch.full_like(x0[:, None], committed),
-                             target_features=self.pending, context_cache=self.cache)
+        pool = draft_pool(self.drafter, self.policy, x0, committed, self.pending, self.cache)
         self.pending = None
-        self.tree = build_tree(draft.depth_logits, self.drafter.markov_bias, x0, self.policy)
+        self.tree = pack_tree(pool, x0, self.policy.budget, self.policy.depth)
         return torch.cat([input_ids, self.tree.tokens[:, 1:]], dim=1), None
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):

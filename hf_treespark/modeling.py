@@ -91,6 +91,12 @@ class DrafterContextCache:
     def get_seq_length(self) -> int:
         return 0 if self.keys[0] is None else self.keys[0].shape[-2]
 
+    def crop(self, length: int) -> None:
+        """Keep the first `length` context positions."""
+        for i, (keys, values) in enumerate(zip(self.keys, self.values, strict=True)):
+            if keys is not None:
+                self.keys[i], self.values[i] = keys[..., :length, :], values[..., :length, :]
+
     def append(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.keys[layer_idx] is not None:
             keys = torch.cat([self.keys[layer_idx], keys], dim=-2)
@@ -210,12 +216,10 @@ class TreeSparkDrafterOutput(ModelOutput):
     """
     hidden_states: `[b, A * B, H]` normed block states `h_k`, block-major (anchor `a`, slot `k - 1`).
     depth_logits: `[b, A * B, V]` `U_k = lm_head(h_k)` in float32, when requested.
-    context_cache: the drafter's context cache, when one was passed.
     """
 
     hidden_states: torch.Tensor | None = None
     depth_logits: torch.Tensor | None = None
-    context_cache: DrafterContextCache | None = None
 
 
 class TreeSparkPreTrainedModel(PreTrainedModel):
@@ -267,7 +271,6 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
         """Share `target`'s frozen token embeddings and LM head. Refuses a target that does not fit."""
         self.check_target(target)
         self.__dict__["_target_modules"] = (target.get_input_embeddings(), target.get_output_embeddings())
-        self.__dict__["_bound_target_id"] = id(target)
         return self
 
     def check_target(self, target: nn.Module) -> None:
@@ -293,6 +296,11 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
             name = cfg.target_name_or_path or "its training target"
             raise ValueError(f"This TreeSpark drafter was built for {name} and does not fit this target: "
                              + "; ".join(problems) + ". Load the drafter trained for this target.")
+
+    @property
+    def draft_vocab_size(self) -> int:
+        """How many tokens the drafter can propose (the width of `U_k` and of the Markov correction)."""
+        return self.config.target_vocab_size
 
     @property
     def is_bound(self) -> bool:
@@ -395,7 +403,7 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
             block = layer(block, block_rope, context, context_rope, attention_mask, context_cache)
         hidden = self.norm(block)
         logits = self.depth_logits(hidden) if return_logits else None
-        return TreeSparkDrafterOutput(hidden_states=hidden, depth_logits=logits, context_cache=context_cache)
+        return TreeSparkDrafterOutput(hidden_states=hidden, depth_logits=logits)
 
     def _training_mask(self, anchor_positions, context_positions, context_valid) -> torch.Tensor:
         """Bool `[b, 1, A * B, s + A * B]`: a block sees context `< anchor` and its own `B` slots."""

@@ -1,7 +1,9 @@
 """The deployed tree policy: expand, prune, pack (SPEC section 2).
 
-One implementation, shared by inference (`generation.py`) and training replay
-(`training/replay.py`). Everything is batched torch; the only Python loop runs over depths.
+One implementation, shared by inference (`engine.py`) and training replay
+(`training/objective.py`). Everything is batched torch; the only Python loop runs over depths.
+`expand_tree` proposes the candidate pool, `pack_tree` keeps the `N` best of it, and
+`build_tree` does both.
 
 Node layout of a packed tree: index 0 is the root (the anchor token `x0`), indices `1..N`
 are the packed nodes ordered by depth, so parents always precede their children.
@@ -9,24 +11,80 @@ are the packed nodes ordered by depth, so parents always precede their children.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+
+BUDGET_POOL = 64  # the largest budget `tree_budget="auto"` considers
+
+
+def as_positive_int(value, name: str) -> int:
+    """`value` as an `int` when it is an integer-like positive number (int, numpy or 0-d torch integer)."""
+    if isinstance(value, bool) or isinstance(value, float):
+        raise ValueError(f"{name}={value!r} is invalid: it must be a positive integer")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name}={value!r} is invalid: it must be a positive integer") from None
+    if number < 1:
+        raise ValueError(f"{name}={value!r} is invalid: it must be a positive integer")
+    return number
 
 
 @dataclass
 class TreePolicy:
-    """Knobs of the tree policy. Chain mode (`topk=1, frontier=1, budget=depth`) is DSpark drafting."""
+    """Knobs of the tree policy. Chain mode (`topk=1, frontier=1, budget=depth`) is DSpark drafting.
+
+    `auto=True` (from `tree_budget="auto"`): `budget` is the candidate pool the device-specific
+    choice is made from (`hf_treespark.budget`), and the decoding loop replaces it before verifying.
+    """
 
     topk: int = 4
     frontier: int = 4
     budget: int = 32
     depth: int = 7
+    auto: bool = False
 
     @classmethod
     def chain(cls, depth: int) -> TreePolicy:
         return cls(topk=1, frontier=1, budget=depth, depth=depth)
+
+    @classmethod
+    def from_config(cls, config, *, budget=None, topk=None, depth=None, frontier=None, chain=False,
+                    vocab_size: int | None = None) -> TreePolicy:
+        """The drafter config's policy (`tree_*` fields), overridden by per-call knobs (None = config's).
+
+        `chain=True` drafts a single path (DSpark); a budget given with it caps the path length.
+        A budget above the number of candidates is reported as the number actually packed.
+        `vocab_size`: the drafter's proposal vocabulary, which `topk` may not exceed.
+        Raises `ValueError` naming the first knob that cannot work.
+        """
+        if not isinstance(chain, bool):
+            raise ValueError(f"tree_chain={chain!r} is invalid: it must be True or False")
+        depth = config.block_size if depth is None else as_positive_int(depth, "tree_depth")
+        if depth > config.block_size:
+            raise ValueError(f"tree_depth={depth} exceeds the drafter's block size {config.block_size}; "
+                             f"use a depth between 1 and {config.block_size}")
+        budget = config.tree_budget if budget is None else budget
+        auto = isinstance(budget, str) and budget == "auto"
+        if not auto:
+            budget = as_positive_int(budget, "tree_budget")
+        if chain:
+            return cls(topk=1, frontier=1, budget=depth if auto else min(budget, depth), depth=depth)
+        topk = as_positive_int(config.tree_topk if topk is None else topk, "tree_topk")
+        frontier = as_positive_int(config.tree_frontier if frontier is None else frontier, "tree_frontier")
+        if vocab_size is not None and topk > vocab_size:
+            raise ValueError(f"tree_topk={topk} exceeds the drafter's vocabulary of {vocab_size} tokens; "
+                             f"use at most {vocab_size} children per parent")
+        policy = cls(topk=topk, frontier=frontier, budget=BUDGET_POOL if auto else budget, depth=depth, auto=auto)
+        policy.budget = min(policy.budget, policy.with_budget(BUDGET_POOL * 1000).num_candidates)
+        return policy
+
+    def with_budget(self, budget: int) -> TreePolicy:
+        """This policy at a fixed budget (`auto` resolved)."""
+        return replace(self, budget=budget, auto=False)
 
     def validate(self, block_size: int) -> None:
         for name in ("topk", "frontier", "budget", "depth"):
@@ -82,8 +140,8 @@ class Candidates:
     """Every candidate proposed before global packing, in depth-major order (`C` of them).
 
     tokens/parents/depths/scores: `[b, C]`; `parents` index into the candidates (-1 = root).
-    packed: `[b, C]` bool, which candidates global packing kept.
-    node_index: `[b, C]` position of each candidate in the packed tree (-1 if not packed).
+    packed: `[b, C]` bool, which candidates global packing kept (None before packing).
+    node_index: `[b, C]` position of each candidate in the packed tree (-1 if not packed; None before packing).
     expansions: per depth `k = 1..D`, the expanded parents: `(parent_candidate [b, P_k] (-1 = root),
         parent_tokens [b, P_k], child_candidates [b, P_k, topk])`.
     """
@@ -92,8 +150,8 @@ class Candidates:
     parents: torch.Tensor
     depths: torch.Tensor
     scores: torch.Tensor
-    packed: torch.Tensor
-    node_index: torch.Tensor
+    packed: torch.Tensor | None
+    node_index: torch.Tensor | None
     expansions: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
@@ -103,24 +161,27 @@ def build_tree(
     root_tokens: torch.Tensor,
     policy: TreePolicy,
 ) -> DraftTree:
-    """Build the packed tree from one drafter pass.
+    """Build the packed tree from one drafter pass: `pack_tree(expand_tree(...), policy.budget)`.
 
     Args:
         depth_logits: `[b, >= D, V]` depth logits `U_k` (slot `k - 1` drafts depth `k`).
         markov_bias: parent tokens `[b, P]` -> Markov correction `[b, P, V]`.
         root_tokens: `[b]` anchor tokens `x0`.
         policy: topk `k`, frontier width `F`, budget `N`, depth `D`.
-
-    Scores: `score(n) = score(parent) + log_softmax(U_d + W2(W1[token(parent)]))[token(n)]`.
-    Frontier pruning keeps the `F` best nodes of each depth for expansion; global packing keeps
-    the `N` best candidates, ties going to the smaller depth. Since scores never increase along a
-    path, the packed set is prefix-closed. Runs without gradient: choices are discrete.
     """
-    with torch.no_grad():
-        return _build_tree(depth_logits, markov_bias, root_tokens, policy)
+    pool = expand_tree(depth_logits, markov_bias, root_tokens, policy)
+    return pack_tree(pool, root_tokens, policy.budget, policy.depth)
 
 
-def _build_tree(depth_logits, markov_bias, root_tokens, policy: TreePolicy) -> DraftTree:
+@torch.no_grad()
+def expand_tree(depth_logits, markov_bias, root_tokens: torch.Tensor, policy: TreePolicy) -> Candidates:
+    """The candidate pool: frontier expansion over `policy.expanded_depth` depths (no packing yet).
+
+    Scores: `score(n) = score(parent) + log p_d(token(n) | token(parent))`, with
+    `log p_d(v | y) = z_v - logsumexp(z)`, `z = U_d + W2(W1[y])`: only the top-`k` entries and one
+    log-sum-exp per parent are needed, never a full log-softmax row. Frontier pruning keeps the `F`
+    best nodes of each depth for expansion. Runs without gradient: choices are discrete.
+    """
     b = root_tokens.shape[0]
     device = root_tokens.device
     k = policy.topk
@@ -131,8 +192,9 @@ def _build_tree(depth_logits, markov_bias, root_tokens, policy: TreePolicy) -> D
     front_cand = torch.full((b, 1), -1, dtype=torch.long, device=device)
     offset = 0
     for d in range(1, policy.expanded_depth + 1):  # deeper candidates could never be packed
-        logp = torch.log_softmax(depth_logits[:, d - 1, None, :].float() + markov_bias(front_tok), dim=-1)  # [b, P, V]
-        top_logp, top_tok = logp.topk(k, dim=-1)  # [b, P, k]
+        z = depth_logits[:, d - 1, None, :].float() + markov_bias(front_tok)  # [b, P, V]
+        top_z, top_tok = z.topk(k, dim=-1)  # [b, P, k]
+        top_logp = top_z - z.logsumexp(dim=-1, keepdim=True)
         num_parents = front_tok.shape[1]
         child_scores = (front_score[:, :, None] + top_logp).reshape(b, num_parents * k)
         child_ids = offset + torch.arange(num_parents * k, device=device)
@@ -147,13 +209,23 @@ def _build_tree(depth_logits, markov_bias, root_tokens, policy: TreePolicy) -> D
         front_score = child_scores.gather(1, keep)
         front_cand = offset + keep
         offset += num_parents * k
+    return Candidates(torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(depths, 1), torch.cat(scores, 1),
+                      packed=None, node_index=None, expansions=expansions)
 
-    cand_tokens, cand_parents = torch.cat(tokens, 1), torch.cat(parents, 1)
-    cand_depths, cand_scores = torch.cat(depths, 1), torch.cat(scores, 1)
+
+@torch.no_grad()
+def pack_tree(pool: Candidates, root_tokens: torch.Tensor, budget: int, max_depth: int) -> DraftTree:
+    """Global packing: the `budget` best-scored candidates of `pool`, ties to the smaller depth.
+
+    Since scores never increase along a path, the packed set is prefix-closed. Packing the pool of a
+    larger budget gives the same tree as expanding for `budget` alone (deeper candidates never win).
+    """
+    b = root_tokens.shape[0]
+    device = root_tokens.device
+    cand_tokens, cand_parents, cand_depths, cand_scores = pool.tokens, pool.parents, pool.depths, pool.scores
     num_cand = cand_tokens.shape[1]
-    budget = min(policy.budget, num_cand)
-
-    # Global packing: best scores first, ties to the earlier candidate (= smaller depth).
+    budget = min(budget, num_cand)
+    # Best scores first, ties to the earlier candidate (= smaller depth).
     order = torch.sort(cand_scores, dim=1, descending=True, stable=True).indices
     chosen = order[:, :budget].sort(dim=1).values  # [b, N], depth-major order: parents first
     packed = torch.zeros(b, num_cand, dtype=torch.bool, device=device).scatter_(1, chosen, True)
@@ -169,9 +241,9 @@ def _build_tree(depth_logits, markov_bias, root_tokens, policy: TreePolicy) -> D
     tree_parents = torch.cat([root_col(-1, node_parents), node_parents], 1)
     tree_depths = torch.cat([root_col(0, cand_depths), cand_depths.gather(1, chosen)], 1)
     tree_scores = torch.cat([root_col(0.0, cand_scores), cand_scores.gather(1, chosen)], 1)
-    candidates = Candidates(cand_tokens, cand_parents, cand_depths, cand_scores, packed, node_index, expansions)
+    candidates = replace(pool, packed=packed, node_index=node_index)
     return DraftTree(tree_tokens, tree_parents, tree_depths, tree_scores,
-                     ancestor_matrix(tree_parents, policy.depth), candidates)
+                     ancestor_matrix(tree_parents, max_depth), candidates)
 
 
 def ancestor_matrix(parents: torch.Tensor, max_depth: int) -> torch.Tensor:

@@ -5,14 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+import hf_treespark
 from hf_treespark import assets
 from hf_treespark.cli import main
 
 
 @pytest.mark.slow
 def test_shipped_drafter_loads_binds_and_is_exact():
-    target, tokenizer = assets.load_default_target()
-    drafter = assets.load_default_drafter()
+    target, tokenizer = hf_treespark.load_default_target(dtype=torch.float32)
+    drafter = hf_treespark.load_default_drafter(dtype=torch.float32)
+    assert drafter.dtype == target.dtype == torch.float32
     assert drafter.config.target_vocab_size == target.config.vocab_size
     inputs = assets.chat_inputs(tokenizer, "Name three primary colours.")
     ref = target.generate(**inputs, do_sample=False, max_new_tokens=24)
@@ -24,9 +26,9 @@ def test_shipped_drafter_loads_binds_and_is_exact():
 
 @pytest.mark.slow
 def test_cli_generate_with_compare(capsys):
-    assert main(["generate", "--prompt", "Say hello.", "--max-new-tokens", "12", "--compare"]) == 0
+    assert main(["generate", "--prompt", "Say hello.", "--max-new-tokens", "12", "--compare", "--dtype", "fp32"]) == 0
     printed = capsys.readouterr().out
-    assert "mean acceptance length" in printed and "identical to plain greedy" in printed
+    assert "mean acceptance length" in printed and "identical to plain greedy" in printed and "(fp32)" in printed
 
 
 def test_cli_rejects_bad_input(capsys):

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from hf_treespark.cli import main as treespark_main
 from hf_treespark.demo import (
@@ -111,8 +112,8 @@ def test_cli_demo_without_gradio_says_how_to_install(monkeypatch, capsys):
 def models():
     from hf_treespark import assets
 
-    target, tokenizer = assets.load_default_target()
-    return target, tokenizer, assets.load_default_drafter()
+    target, tokenizer = assets.load_default_target(dtype=torch.float32)
+    return target, tokenizer, assets.load_default_drafter(dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")

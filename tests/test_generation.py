@@ -168,10 +168,11 @@ def test_left_padded_prompt(llama_pair):
 
 class RecordingStreamer(BaseStreamer):
     def __init__(self):
-        self.puts, self.ended = [], False
+        self.puts, self.shapes, self.ended = [], [], False
 
     def put(self, value):
         self.puts.append(value.flatten().tolist())
+        self.shapes.append(tuple(value.shape))
 
     def end(self):
         self.ended = True
@@ -190,6 +191,7 @@ def test_streamer_sees_one_put_per_round_and_return_dict_has_rounds(llama_pair):
     assert streamer.puts[0] == ids[0].tolist()  # the prompt first, as plain generate does
     assert len(streamer.puts) == 2 + len(out.rounds)  # prompt, prefill token, one put per round
     assert streamer.puts[2:] == [r.committed for r in out.rounds]
+    assert all(len(shape) == 2 and shape[0] == 1 for shape in streamer.shapes)  # [1, n], as transformers sends
     assert sum(len(p) for p in streamer.puts[1:]) == ref.shape[1] - ids.shape[1]
     assert out.acceptance_length == pytest.approx(sum(len(r.committed) for r in out.rounds) / len(out.rounds))
     assert len(out.scores) == len(out.logits) == ref.shape[1] - ids.shape[1]
@@ -415,7 +417,7 @@ def test_refusals_are_clear(llama_pair):
 def test_offline_default_target_with_untrained_drafter():
     from hf_treespark import TreeSparkConfig, assets
 
-    target, tokenizer = assets.load_default_target()
+    target, tokenizer = assets.load_default_target(dtype=torch.float32)
     torch.manual_seed(0)
     drafter = TreeSparkDrafter(TreeSparkConfig.for_target(target, mask_token_id=16, num_hidden_layers=1)).eval()
     for question in assets.mtbench_prompts()[:2]:

@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+from ..engine import feature_indices, select_features
 from ..tree import TreePolicy
 from .data import collate_references
 from .losses import normalise
@@ -77,6 +78,13 @@ class TrainConfig:
             raise ValueError("set epochs > 0 or max_steps")
 
 
+def replay_policy(config) -> TreePolicy:
+    """The tree policy that training replay runs: the drafter config's, with `tree_budget="auto"`
+    (a per-device inference choice) replayed at the default budget `TreePolicy().budget`."""
+    policy = TreePolicy.from_config(config)
+    return policy.with_budget(min(TreePolicy().budget, policy.budget)) if policy.auto else policy
+
+
 def sample_anchors(lengths: torch.Tensor, prompt_lens: torch.Tensor, indices: torch.Tensor, num_anchors: int,
                    seed: int, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`[b, A]` anchor positions in each response and their validity.
@@ -103,10 +111,8 @@ def sample_anchors(lengths: torch.Tensor, prompt_lens: torch.Tensor, indices: to
 @torch.no_grad()
 def target_features(target, layer_ids: list[int], input_ids: torch.Tensor, attention_mask: torch.Tensor):
     """One frozen-target forward: `([b, T, n_layers * d], [b, T, d])` = selected layers, final normed state."""
-    wanted = [i + 1 for i in layer_ids]
     out = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
-    features = torch.cat([out.hidden_states[i] for i in wanted], dim=-1)
-    return features, out.hidden_states[-1]
+    return select_features(out.hidden_states, feature_indices(layer_ids)), out.hidden_states[-1]
 
 
 class FeatureCache:
@@ -202,8 +208,7 @@ class Trainer:
         self.drafter = drafter.train().to(self.accelerator.device)
         self.drafter.bind_target(self.target)
         cfg = drafter.config
-        self.policy = TreePolicy(topk=cfg.tree_topk, frontier=cfg.tree_frontier, budget=cfg.tree_budget,
-                                 depth=cfg.block_size)
+        self.policy = replay_policy(cfg)
         self.objective = TrainingObjective(self.drafter, config.loss, self.policy)
         self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=config.lr, weight_decay=config.weight_decay,
                                            betas=tuple(config.adam_betas), eps=config.adam_eps)

@@ -1,0 +1,166 @@
+"""The round engine: one decoding session of a target with a TreeSpark drafter, phase by phase.
+
+A round (SPEC sections 2-3), for the last committed token `x0` (not yet in the target's cache):
+
+    draft    one drafter pass over `[x0, MASK * (B - 1)]`, conditioned on the target features of
+             the positions committed since the last round; the tree policy expands a candidate
+             pool and packs the `N` best nodes (`tree.expand_tree`, `tree.pack_tree`)
+    verify   ONE target forward over `[x0] + packed nodes`, positions `past_len + depth`, with a
+             4D mask that lets each node see the committed prefix and its own path
+    accept   the walk keeps the longest path the target agrees with, plus the target's bonus token
+    commit   the target cache keeps the root and accepted entries; their features extend the
+             drafter's context; the bonus is the next round's `x0`
+
+`TreeSparkSession` owns the target cache, the drafter's context and the policy. `generate()`'s loop
+(`generation.py`) drives it; `draft_pool` is the draft step for everything else that drafts
+(the candidate generator, the latency measurement). This module imports only torch, transformers
+and the tree/verification modules, so it can ship as remote code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, LogitsProcessorList
+
+from .tree import Candidates, DraftTree, TreePolicy, expand_tree, pack_tree
+from .verify import (
+    Acceptance,
+    cache_kwarg,
+    commit_cache,
+    greedy_accept,
+    processed_accept,
+    tree_attention_mask,
+    tree_position_ids,
+)
+
+
+def feature_indices(target_layer_ids: list[int]) -> list[int]:
+    """Indices into HF's `hidden_states` of the drafter's target layers (`config.target_layer_ids`):
+    layer `l` is `hidden_states[l + 1]`, since index 0 holds the embeddings."""
+    return [layer + 1 for layer in target_layer_ids]
+
+
+def select_features(hidden_states: tuple[torch.Tensor, ...], indices: list[int]) -> torch.Tensor:
+    """The drafter's conditioning: `[b, s, n_layers * d_target]`, the chosen layers concatenated."""
+    return torch.cat([hidden_states[i] for i in indices], dim=-1)
+
+
+@torch.no_grad()
+def draft_pool(drafter, policy: TreePolicy, anchor: torch.Tensor, position: int,
+               new_features: torch.Tensor | None, context_cache) -> Candidates:
+    """The draft step: one drafter pass for anchor `x0` (`[b]`) at `position`, then the candidate pool.
+
+    `new_features` `[b, s, n_layers * d_target]`: target features of the positions committed since the
+    last pass; they are appended to `context_cache` (the drafter's projected context).
+    """
+    out = drafter(anchor_ids=anchor[:, None], anchor_positions=torch.full_like(anchor[:, None], position),
+                  target_features=new_features, context_cache=context_cache)
+    return expand_tree(out.depth_logits, drafter.markov_bias, anchor, policy)
+
+
+@dataclass
+class Round:
+    """One verified round: the packed tree, the walk's result, and how many nodes it accepted."""
+
+    tree: DraftTree
+    acceptance: Acceptance
+    num_accepted: int
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """`[1, num_accepted + 1]`: accepted tokens, then the bonus."""
+        return self.acceptance.tokens[:, : self.num_accepted + 1]
+
+
+class TreeSparkSession:
+    """Decoding state of one sequence (batch size 1): target KV cache, drafter context, policy.
+
+    Usage: `first_logits = session.prefill(prompt_ids)`, pick the first token, then repeatedly
+    `rnd = session.step(ids)` with `ids` every token so far (its last is `x0`) and append `rnd.tokens`.
+
+    Args:
+        target: the causal LM (eager or sdpa attention).
+        drafter: a `TreeSparkDrafter` built for it (bound here).
+        policy: the tree policy; with `policy.auto`, `choose_budget(pool_scores)` fixes the budget
+            on the first round from the candidate pool's scores (`[C]`, root excluded).
+        logits_processor / do_sample: how the target picks tokens; greedy without processors takes
+            the vectorised walk, anything else the per-node walk of `verify.processed_accept`.
+        keep_scores: keep the processed scores and raw logits of every committed token.
+    """
+
+    def __init__(self, target, drafter, policy: TreePolicy, *, logits_processor: LogitsProcessorList | None = None,
+                 do_sample: bool = False, keep_scores: bool = False, cache: DynamicCache | None = None,
+                 choose_budget: Callable[[torch.Tensor], int] | None = None):
+        self.target = target
+        self.drafter = drafter.bind_target(target)
+        self.policy = policy
+        self.choose_budget = choose_budget
+        self.processors = logits_processor if logits_processor is not None else LogitsProcessorList()
+        self.do_sample = do_sample
+        self.keep_scores = keep_scores
+        self.walk_processed = do_sample or len(self.processors) > 0 or keep_scores
+        self.cache = cache if cache is not None else DynamicCache(config=target.config)
+        self.cache_kw = cache_kwarg(target)
+        self.hidden_ids = feature_indices(drafter.config.target_layer_ids)
+        self.context = drafter.new_context_cache()
+        self.pending: torch.Tensor | None = None  # target features not yet in the drafter's context
+        self.past_len = 0  # entries in the target cache
+
+    def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Run the prompt `[1, T]` through the target; returns the last position's logits `[1, V]`."""
+        out = self.target(input_ids=input_ids, use_cache=True, output_hidden_states=self.hidden_ids,
+                          **{self.cache_kw: self.cache})
+        self.pending = select_features(out.hidden_states, self.hidden_ids)
+        self.past_len = input_ids.shape[1]
+        return out.logits[:, -1]
+
+    def draft(self, x0: torch.Tensor) -> DraftTree:
+        """Draft and pack this round's tree for anchor `x0` (`[1]`)."""
+        pool = draft_pool(self.drafter, self.policy, x0, self.past_len, self.pending, self.context)
+        self.pending = None
+        if self.policy.auto:
+            if self.choose_budget is None:
+                raise ValueError("an 'auto' tree budget needs choose_budget (see hf_treespark.budget)")
+            self.policy = self.policy.with_budget(self.choose_budget(pool.scores[0]))
+        return pack_tree(pool, x0, self.policy.budget, self.policy.depth)
+
+    def verify(self, tree: DraftTree):
+        """ONE target forward over the packed tree; the output has logits `[1, N + 1, V]`."""
+        return self.target(
+            input_ids=tree.tokens,
+            position_ids=tree_position_ids(tree, self.past_len),
+            attention_mask=tree_attention_mask(tree, self.past_len, self.target.dtype),
+            use_cache=True,
+            output_hidden_states=self.hidden_ids,
+            **{self.cache_kw: self.cache},
+        )
+
+    def accept(self, tree: DraftTree, logits: torch.Tensor, ids: torch.Tensor) -> Acceptance:
+        """The acceptance walk; `ids` (all tokens so far) is the prefix logits processors see."""
+        if self.walk_processed:
+            return processed_accept(tree, logits, ids, self.processors, self.do_sample, keep_scores=self.keep_scores)
+        return greedy_accept(tree, logits)
+
+    def commit(self, verified, acceptance: Acceptance, num_accepted: int) -> None:
+        """Keep the root's and the accepted nodes' cache entries; queue their features for the drafter.
+
+        Their features are exact: each node attended only to the committed prefix and its ancestors.
+        """
+        keep = acceptance.path[:, : num_accepted + 1]
+        commit_cache(self.cache, self.past_len, keep)
+        features = select_features(verified.hidden_states, self.hidden_ids)
+        self.pending = features.gather(1, keep[:, :, None].expand(-1, -1, features.shape[-1]))
+        self.past_len += num_accepted + 1
+
+    @torch.no_grad()
+    def step(self, ids: torch.Tensor) -> Round:
+        """One round for the sequence `ids` (`[1, T]`, last token `x0`): draft, verify, accept, commit."""
+        tree = self.draft(ids[:, -1])
+        verified = self.verify(tree)
+        acceptance = self.accept(tree, verified.logits, ids)
+        num_accepted = int(acceptance.num_accepted[0])
+        self.commit(verified, acceptance, num_accepted)
+        return Round(tree, acceptance, num_accepted)

@@ -1,0 +1,47 @@
+"""Loading targets and drafters by name or path, in the precision chosen for the device (`precision.py`)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import assets
+from .precision import resolve_dtype
+
+
+def _check_local_path(name: str, what: str) -> None:
+    if name.startswith((os.sep, ".", "~")) and not os.path.isdir(os.path.expanduser(name)):
+        raise OSError(f"No {what} directory at {name!r}: check the path (a Hub repo id looks like 'org/name').")
+
+
+def load_target(name: str | None = None, dtype: str | torch.dtype | None = "auto", device: str = "cpu"):
+    """`(model, tokenizer)`: a causal LM by name or path (sdpa attention), or the offline default when empty."""
+    dtype = resolve_dtype(dtype, device)
+    if not name:
+        return assets.load_default_target(dtype=dtype, device=device)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _check_local_path(name, "target model")
+    target = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="sdpa").to(device).eval()
+    return target, AutoTokenizer.from_pretrained(name)
+
+
+def load_drafter(name: str | None = None, dtype: str | torch.dtype | None = "auto", device: str = "cpu"):
+    """A TreeSpark drafter by name or path, or the drafter shipped in the package when empty."""
+    from .modeling import TreeSparkDrafter
+
+    dtype = resolve_dtype(dtype, device)
+    if not name:
+        return assets.load_default_drafter(dtype=dtype, device=device)
+    return TreeSparkDrafter.from_pretrained(name, dtype=dtype).to(device).eval()
+
+
+def load_pair(target: str | None = None, drafter: str | None = None, dtype: str | torch.dtype | None = "auto",
+              device: str = "cpu"):
+    """`(target, tokenizer, drafter)` in one precision; the drafter is checked against the target."""
+    dtype = resolve_dtype(dtype, device)
+    target_model, tokenizer = load_target(target, dtype, device)
+    drafter_model = load_drafter(drafter, dtype, device)
+    drafter_model.check_target(target_model)
+    return target_model, tokenizer, drafter_model

@@ -1,0 +1,176 @@
+"""The round engine (`engine.py`) and the package's structure: one session drives every decoding path."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_drafter, make_target
+
+import hf_treespark
+from hf_treespark import budget
+from hf_treespark.engine import TreeSparkSession, feature_indices
+from hf_treespark.tree import TreePolicy
+
+PACKAGE = Path(hf_treespark.__file__).parent
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Every import between hf_treespark modules, including those inside functions.
+
+    `from . import x` is an edge to the module `x`; a name that is not a module is an edge to the
+    module it is imported from.
+    """
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {name: set() for name in modules}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+                source = ".".join(part for part in (base, node.module) if part)
+                targets = {f"{source}.{a.name}" if f"{source}.{a.name}" in modules else source for a in node.names}
+            elif isinstance(node, ast.Import):
+                targets = {alias.name for alias in node.names}
+            else:
+                continue
+            graph[name] |= {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of `graph` as a path that returns to its start, or None."""
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        for nxt in sorted(graph[node]):
+            if nxt in path:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in done:
+                found = visit(nxt, path + [nxt])
+                if found:
+                    return found
+        done.add(node)
+        return None
+
+    for start in sorted(graph):
+        if start not in done:
+            found = visit(start, [start])
+            if found:
+                return found
+    return None
+
+
+def test_the_package_import_graph_has_no_cycles():
+    graph = import_graph()
+    assert "hf_treespark.loading" in graph["hf_treespark.cli"], "the graph should see the package's imports"
+    assert find_cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]  # the checker finds a cycle when there is one
+    assert find_cycle(graph) is None, "import cycle: " + " -> ".join(find_cycle(graph) or [])
+
+
+def test_decoding_modules_import_nothing_but_torch_transformers_and_each_other():
+    """What `generate` runs can ship as remote code: no assets, CLI, benchmark or demo behind it."""
+    graph = import_graph()
+    allowed = {"hf_treespark.tree", "hf_treespark.verify", "hf_treespark.engine", "hf_treespark.configuration",
+               "hf_treespark.modeling"}
+    for module in ("hf_treespark.tree", "hf_treespark.verify", "hf_treespark.engine"):
+        assert graph[module] <= allowed, (module, graph[module] - allowed)
+
+
+def test_feature_indices_skip_the_embedding_output():
+    assert feature_indices([0, 7, 13]) == [1, 8, 14]
+
+
+def test_a_hand_driven_session_reproduces_generate(llama_pair):
+    target, drafter = llama_pair
+    ids = torch.randint(4, 100, (1, 7), generator=torch.Generator().manual_seed(2))
+    ref = target.generate(ids, do_sample=False, max_new_tokens=20)
+    session = TreeSparkSession(target, drafter, TreePolicy.from_config(drafter.config))
+    seq = torch.cat([ids, session.prefill(ids).argmax(-1, keepdim=True)], dim=1)
+    while seq.shape[1] < ref.shape[1]:
+        rnd = session.step(seq)
+        assert rnd.tree.num_nodes == drafter.config.tree_budget
+        seq = torch.cat([seq, rnd.tokens], dim=1)
+        assert session.past_len == seq.shape[1] - 1  # everything but the new bonus is in the target cache
+    assert torch.equal(seq[:, : ref.shape[1]], ref)
+
+
+def test_policy_from_config_reads_the_drafter_and_per_call_knobs(llama_pair):
+    _, drafter = llama_pair
+    cfg = drafter.config
+    policy = TreePolicy.from_config(cfg)
+    assert (policy.topk, policy.frontier, policy.budget, policy.depth, policy.auto) == (
+        cfg.tree_topk, cfg.tree_frontier, cfg.tree_budget, cfg.block_size, False)
+    assert TreePolicy.from_config(cfg, budget="auto").auto
+    assert TreePolicy.from_config(cfg, chain=True) == TreePolicy.chain(cfg.block_size)
+    assert TreePolicy.from_config(cfg, chain=True, budget=3).budget == 3
+
+
+@pytest.mark.slow
+def test_training_init_from_the_shipped_auto_budget_drafter_runs(tmp_path):
+    """The shipped drafter's tree_budget is "auto": training replay must resolve it, then train."""
+    from hf_treespark.training.data import ReferenceSequence
+    from hf_treespark.training.trainer import TrainConfig, Trainer
+
+    target, tokenizer = hf_treespark.load_default_target(dtype=torch.float32)
+    drafter = hf_treespark.load_default_drafter(dtype=torch.float32)
+    assert drafter.config.tree_budget == "auto"
+    text = tokenizer("A binary search halves the interval each step until it finds the value.")["input_ids"]
+    refs = [ReferenceSequence(id=f"r{i}", input_ids=[1, *text[i:], 2], prompt_len=3) for i in range(2)]
+    config = TrainConfig(output_dir=str(tmp_path), max_steps=2, batch_size=2, anchors_per_sequence=4, save_every=2,
+                         log_every=1)
+    trainer = Trainer(config, target, drafter, refs)
+    assert trainer.policy.budget == TreePolicy().budget and not trainer.policy.auto
+    before = drafter.fc.weight.detach().clone()
+    trainer.train(progress=False)
+    assert trainer.step == 2 and not torch.equal(before, drafter.fc.weight)
+
+
+def test_auto_budget_never_measures_inside_generate(tmp_path, monkeypatch):
+    """No cached latency: "auto" takes the fallback budget; one target forward per round, nothing written."""
+    monkeypatch.setenv("HF_TREESPARK_CACHE", str(tmp_path))
+    monkeypatch.setattr(budget, "measure_round_latency", lambda *a, **k: pytest.fail("generate measured latency"))
+    target = make_target("llama")
+    drafter = make_drafter(target, tree_budget="auto")
+    ids = torch.randint(4, 100, (1, 9), generator=torch.Generator().manual_seed(3))
+    ref = target.generate(ids, do_sample=False, max_new_tokens=16)
+    calls = []
+    handle = target.register_forward_pre_hook(lambda module, args: calls.append(1))
+    try:
+        out = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=16,
+                              return_dict_in_generate=True)
+    finally:
+        handle.remove()
+    assert torch.equal(out.sequences, ref)
+    assert out.tree_budget == budget.FALLBACK_BUDGET["cpu"]
+    assert len(calls) == 1 + len(out.rounds)
+    assert not (tmp_path / budget.LATENCY_FILE).exists()
+
+
+@pytest.mark.parametrize("profile", [None, {"4": 1.3, "16": 1.6}])
+def test_auto_budget_after_calibration_packs_the_first_pool_once(tmp_path, monkeypatch, profile):
+    monkeypatch.setenv("HF_TREESPARK_CACHE", str(tmp_path))
+    target = make_target("qwen3")
+    drafter = make_drafter(target, tree_budget="auto", acceptance_profile=profile)
+    budget.calibrate_latency(target, drafter)
+    assert budget.has_latency(target, drafter)
+    from hf_treespark import engine
+
+    expansions = []
+    real = engine.expand_tree
+    monkeypatch.setattr(engine, "expand_tree", lambda *a, **k: expansions.append(1) or real(*a, **k))
+    ids = torch.randint(4, 100, (1, 9), generator=torch.Generator().manual_seed(4))
+    ref = target.generate(ids, do_sample=False, max_new_tokens=16)
+    out = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=16,
+                          return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    assert out.tree_budget in budget.CANDIDATE_BUDGETS
+    assert all(r.tree_size == out.tree_budget for r in out.rounds)
+    assert len(expansions) == len(out.rounds)  # the first round's tree is not built twice
