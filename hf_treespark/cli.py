@@ -113,6 +113,33 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def cmd_draft_vocab(args) -> int:
+    """Restrict a drafter to the `--size` most frequent target ids of `--data`; save it to `--output`."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from . import assets
+    from .draft_vocab import count_token_ids, coverage, rank_token_ids
+    from .modeling import TreeSparkDrafter
+
+    drafter_dir = Path(args.drafter) if args.drafter else assets.DEFAULT_DRAFTER_DIR
+    if not (drafter_dir / "config.json").is_file():
+        raise OSError(f"No TreeSpark drafter directory at {str(drafter_dir)!r} (config.json missing)")
+    output = Path(args.output)
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise OSError(f"--output {str(output)!r} exists and is not an empty directory: choose a new one")
+    tokenizer = AutoTokenizer.from_pretrained(args.target or assets.default_target_path())
+    counts = count_token_ids(args.data, tokenizer)
+    drafter = TreeSparkDrafter.from_pretrained(drafter_dir, dtype="auto")  # keep the stored precision
+    ids = rank_token_ids(counts, args.size, drafter.config.target_vocab_size)
+    drafter.restrict_vocabulary(ids)
+    drafter.save_pretrained(output)
+    print(f"[draft-vocab] {len(counts)} distinct ids in {sum(counts.values())} tokens; the {args.size} most "
+          f"frequent cover {coverage(counts, ids):.1%}. Saved the restricted drafter to {output}")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from .demo import build_app, import_gradio, launch
 
@@ -166,6 +193,16 @@ def main(argv: list[str] | None = None) -> int:
     cal.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                         help="auto: bf16 where the device computes it natively, else fp32")
     cal.set_defaults(func=cmd_calibrate)
+
+    voc = sub.add_parser("draft-vocab", help="restrict a drafter to a frequency-ranked draft vocabulary "
+                                              "(cheaper rounds; no retraining)")
+    voc.add_argument("--data", nargs="+", required=True,
+                     help="JSONL files of the target's outputs: token ids (response_ids, ...) or text (response, ...)")
+    voc.add_argument("--size", type=int, default=16384, help="tokens in the draft vocabulary")
+    voc.add_argument("--drafter", help="drafter directory (default: the shipped drafter)")
+    voc.add_argument("--target", help="the target's name or path, for its tokenizer (default: the offline default)")
+    voc.add_argument("--output", required=True, help="new directory for the restricted drafter")
+    voc.set_defaults(func=cmd_draft_vocab)
 
     demo = sub.add_parser("demo", help="the Gradio demo: watch rounds commit and inspect each drafted tree")
     add_demo_arguments(demo)

@@ -37,6 +37,10 @@ class TreeSparkConfig(PretrainedConfig):
             (`hf_treespark.budget`).
         acceptance_profile: measured mean acceptance length per budget, `{"N": tau}`
             (`hf_treespark.budget.calibrate_acceptance`), or None.
+        draft_vocab_size: size `|S|` of the draft vocabulary, the target-vocabulary subset the drafter
+            proposes from (frequency-ranked ids, stored in the checkpoint as the buffer
+            `draft_vocab_ids`); None: the whole target vocabulary. Verification always uses the full
+            vocabulary, so decoding stays lossless (SPEC section 2b).
     """
 
     model_type = "treespark"
@@ -65,6 +69,7 @@ class TreeSparkConfig(PretrainedConfig):
         tree_frontier: int = 4,
         tree_budget: int | str = 32,
         acceptance_profile: dict[str, float] | None = None,
+        draft_vocab_size: int | None = None,
         initializer_range: float = 0.02,
         **kwargs,
     ):
@@ -94,6 +99,7 @@ class TreeSparkConfig(PretrainedConfig):
         self.tree_budget = tree_budget
         self.acceptance_profile = ({str(int(n)): float(t) for n, t in acceptance_profile.items()}
                                    if acceptance_profile else None)
+        self.draft_vocab_size = draft_vocab_size
         self.initializer_range = initializer_range
         kwargs.pop("hidden_size", None)  # always equal to target_hidden_size
         kwargs.setdefault("tie_word_embeddings", False)
@@ -128,7 +134,11 @@ class TreeSparkConfig(PretrainedConfig):
         need(self.head_dim % 2 == 0, "head_dim", "must be even for rotary embeddings")
         need(self.mask_token_id is None or 0 <= self.mask_token_id < self.target_vocab_size, "mask_token_id",
              f"must be None (learned mask embedding) or an id in [0, {self.target_vocab_size})")
-        need(self.tree_topk <= self.target_vocab_size, "tree_topk", "cannot exceed the vocabulary size")
+        need(self.draft_vocab_size is None or (isinstance(self.draft_vocab_size, int)
+                                               and 0 < self.draft_vocab_size <= self.target_vocab_size),
+             "draft_vocab_size", f"must be None (the whole vocabulary) or an integer in [1, {self.target_vocab_size}]")
+        need(self.tree_topk <= (self.draft_vocab_size or self.target_vocab_size), "tree_topk",
+             "cannot exceed the (draft) vocabulary size")
 
     @classmethod
     def for_target(cls, target, **overrides) -> TreeSparkConfig:
@@ -148,6 +158,11 @@ class TreeSparkConfig(PretrainedConfig):
     @property
     def num_target_features(self) -> int:
         return len(self.target_layer_ids)
+
+    @property
+    def proposal_vocab_size(self) -> int:
+        """How many tokens the drafter can propose: `draft_vocab_size`, or the target's vocabulary."""
+        return self.draft_vocab_size or self.target_vocab_size
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> list[int]:

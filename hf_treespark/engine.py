@@ -57,8 +57,10 @@ def draft_pool(drafter, policy: TreePolicy, anchor: torch.Tensor, position: int,
     last pass; they are appended to `context_cache` (the drafter's projected context).
     """
     out = drafter(anchor_ids=anchor[:, None], anchor_positions=torch.full_like(anchor[:, None], position),
-                  target_features=new_features, context_cache=context_cache)
-    return expand_tree(out.depth_logits, drafter.markov_bias, anchor, policy)
+                  target_features=new_features, context_cache=context_cache, return_logits=False)
+    # U_k only for the depths the policy expands (a budget N < B never reaches below depth N).
+    depth_logits = drafter.depth_logits(out.hidden_states[:, : policy.expanded_depth])
+    return expand_tree(depth_logits, drafter.markov_bias, anchor, policy, drafter.draft_vocab_ids)
 
 
 @dataclass

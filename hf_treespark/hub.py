@@ -290,8 +290,14 @@ def treespark_config_to_dspark(config: TreeSparkConfig, num_anchors: int = 512) 
     """The DSpark `config.json` dict (Qwen3 config + DSpark fields) of a TreeSpark config.
 
     `num_anchors` is DSpark's training-time anchors per sequence (informative for inference). The
-    tree policy and target name travel under a `treespark` key that DSpark ignores.
+    tree policy and target name travel under a `treespark` key that DSpark ignores. A drafter with a
+    draft vocabulary is refused: DSpark's Markov head spans the whole vocabulary, and filling the
+    missing rows would let it propose tokens the drafter never learned to score.
     """
+    if config.draft_vocab_size is not None:
+        raise DSparkConversionError(f"this drafter proposes from a draft vocabulary of {config.draft_vocab_size} ids; "
+                                    "DSpark checkpoints have none: export the full-vocabulary drafter it was "
+                                    "restricted from")
     if config.mask_token_id is None:
         raise DSparkConversionError("this drafter uses a learned mask embedding (mask_token_id=None); DSpark "
                                     "checkpoints have none and fill the mask slots with embed_tokens[mask_token_id]")

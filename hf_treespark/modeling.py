@@ -7,12 +7,15 @@ model at every committed position (SPEC section 1):
     ctx       = hidden_norm(fc(concat(target hidden states of `target_layer_ids`)))   [b, S, H]
     K, V      = [k_proj(ctx) ; k_proj(block)], [v_proj(ctx) ; v_proj(block)]          per layer
     h_k       = norm(block output at slot k - 1)                                         [b, B, H]
-    U_k       = lm_head(h_k)                                                             [b, B, V]
-    p_k(.|y)  = softmax(U_k + W2(W1[y]))              Markov head, rank r
+    U_k       = lm_head(h_k)[S]                                                          [b, B, |S|]
+    p_k(.|y)  = softmax(U_k + W2(W1[y]))              Markov head, rank r, W2: r -> |S|
     c_k(y)    = sigmoid(w . [h_k ; W1[y]] + b)        confidence head
 
-The token embeddings and the LM head are the target's, frozen and never stored in the
-drafter's checkpoint: call `bind_target(target)` before use.
+`S` is the draft vocabulary: the frequency-ranked target ids in the buffer `draft_vocab_ids`
+(`config.draft_vocab_size`), or the whole target vocabulary. Drafted tokens are indices into `S`
+until `draft_vocab_ids` maps them back to target ids; `W1` embeds any target id (a parent can be
+any committed token). The token embeddings and the LM head are the target's, frozen and never
+stored in the drafter's checkpoint: call `bind_target(target)` before use.
 
 This file imports only torch, transformers and `.configuration`, so that `save_pretrained`
 can ship it as remote code.
@@ -186,16 +189,16 @@ class TreeSparkDecoderLayer(nn.Module):
 
 
 class MarkovHead(nn.Module):
-    """Low-rank parent-token correction: `bias(y) = W2(W1[y])`, `W1: [V, r]`, `W2: [V, r]`."""
+    """Low-rank parent-token correction: `bias(y) = W2(W1[y])`, `W1: [V, r]`, `W2: [|S|, r]`."""
 
-    def __init__(self, vocab_size: int, rank: int):
+    def __init__(self, vocab_size: int, rank: int, proposal_vocab_size: int | None = None):
         super().__init__()
         self.markov_w1 = nn.Embedding(vocab_size, rank)
-        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+        self.markov_w2 = nn.Linear(rank, proposal_vocab_size or vocab_size, bias=False)
         self.markov_w2.zero_init = True  # W2 = 0: training starts from the pure parallel drafter
 
     def forward(self, parent_tokens: torch.Tensor) -> torch.Tensor:
-        """parent_tokens [...] -> logit correction [..., V]."""
+        """parent_tokens [...] (target ids) -> logit correction [..., |S|]."""
         return self.markov_w2(self.markov_w1(parent_tokens))
 
 
@@ -260,7 +263,11 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
         self.layers = nn.ModuleList(TreeSparkDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = TreeSparkRMSNorm(hidden, config.rms_norm_eps)
         self.rotary_emb = TreeSparkRotaryEmbedding(config)
-        self.markov_head = MarkovHead(config.target_vocab_size, config.markov_rank)
+        self.markov_head = MarkovHead(config.target_vocab_size, config.markov_rank, config.draft_vocab_size)
+        if config.draft_vocab_size is not None:  # saved with the weights: the ranking is part of the checkpoint
+            self.register_buffer("draft_vocab_ids", torch.arange(config.draft_vocab_size), persistent=True)
+        else:
+            self.register_buffer("draft_vocab_ids", None)
         self.confidence_head = ConfidenceHead(hidden, config.markov_rank) if config.use_confidence_head else None
         self.mask_embedding = nn.Parameter(torch.zeros(hidden)) if config.mask_token_id is None else None
         self.__dict__["_target_modules"] = None  # (embed_tokens, lm_head) of the bound target; not registered
@@ -270,7 +277,9 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
     def bind_target(self, target: nn.Module) -> TreeSparkDrafter:
         """Share `target`'s frozen token embeddings and LM head. Refuses a target that does not fit."""
         self.check_target(target)
-        self.__dict__["_target_modules"] = (target.get_input_embeddings(), target.get_output_embeddings())
+        embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+        draft_head = head.weight if self.draft_vocab_ids is None else head.weight.detach()[self.draft_vocab_ids]
+        self.__dict__["_target_modules"] = (embed, head, draft_head)  # not registered: never saved or trained
         return self
 
     def check_target(self, target: nn.Module) -> None:
@@ -300,13 +309,50 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
     @property
     def draft_vocab_size(self) -> int:
         """How many tokens the drafter can propose (the width of `U_k` and of the Markov correction)."""
-        return self.config.target_vocab_size
+        return self.config.proposal_vocab_size
+
+    @torch.no_grad()
+    def restrict_vocabulary(self, token_ids) -> TreeSparkDrafter:
+        """Propose only `token_ids` (target ids, most useful first) from now on; no retraining needed.
+
+        Keeps the rows of the Markov head's `W2` (and, through `draft_vocab_ids`, of the target's LM
+        head) for those ids. A drafter that is already restricted can only be narrowed to a subset.
+        """
+        ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().cpu()
+        current = (torch.arange(self.config.target_vocab_size) if self.draft_vocab_ids is None
+                   else self.draft_vocab_ids.cpu())
+        position = torch.full((self.config.target_vocab_size,), -1, dtype=torch.long)
+        position[current] = torch.arange(len(current))
+        if ids.numel() == 0 or len(set(ids.tolist())) != ids.numel():
+            raise ValueError("restrict_vocabulary needs a non-empty list of distinct token ids")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.config.target_vocab_size or bool((position[ids] < 0).any()):
+            raise ValueError(f"restrict_vocabulary: every id must lie in the drafter's current vocabulary "
+                             f"(target ids in [0, {self.config.target_vocab_size}))")
+        rows = position[ids].to(self.markov_head.markov_w2.weight.device)
+        w2 = self.markov_head.markov_w2
+        new_w2 = nn.Linear(w2.in_features, ids.numel(), bias=False).to(device=w2.weight.device, dtype=w2.weight.dtype)
+        new_w2.weight.copy_(w2.weight[rows])
+        new_w2.zero_init = True
+        self.markov_head.markov_w2 = new_w2
+        self.register_buffer("draft_vocab_ids", ids.to(w2.weight.device), persistent=True)
+        self.config.draft_vocab_size = ids.numel()
+        self.config.tree_topk = min(self.config.tree_topk, ids.numel())
+        if self.is_bound:
+            _, head, _ = self.__dict__["_target_modules"]
+            self.__dict__["_target_modules"] = (self.__dict__["_target_modules"][0], head,
+                                                head.weight.detach()[self.draft_vocab_ids])
+        return self
+
+    def to_target_ids(self, draft_tokens: torch.Tensor) -> torch.Tensor:
+        """Indices into the draft vocabulary -> target token ids (the identity without one)."""
+        return draft_tokens if self.draft_vocab_ids is None else self.draft_vocab_ids[draft_tokens]
 
     @property
     def is_bound(self) -> bool:
         return self.__dict__.get("_target_modules") is not None
 
-    def _target(self) -> tuple[nn.Module, nn.Module]:
+    def _target(self) -> tuple[nn.Module, nn.Module, torch.Tensor]:
+        """`(embed_tokens, lm_head, LM-head rows of the draft vocabulary [|S|, H])` of the bound target."""
         if not self.is_bound:
             raise RuntimeError("The drafter is not bound to a target: call drafter.bind_target(target) first "
                                "(generate() does this for you).")
@@ -319,7 +365,7 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
 
     def block_embeddings(self, anchor_ids: torch.Tensor) -> torch.Tensor:
         """anchor_ids [b, A] -> embeddings of `[x0, MASK * (B - 1)]` per anchor, `[b, A * B, H]`."""
-        embed, _ = self._target()
+        embed, _, _ = self._target()
         b, a = anchor_ids.shape
         bsz = self.config.block_size
         dtype = self.fc.weight.dtype
@@ -332,12 +378,15 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
         return torch.cat([anchor[:, :, None], mask], dim=2).reshape(b, a * bsz, -1)
 
     def depth_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`U_k = lm_head(h_k)` in float32: `[..., H] -> [..., V]`."""
-        _, head = self._target()
-        return head(hidden.to(head.weight.dtype)).float()
+        """`U_k = lm_head(h_k)[S]` in float32: `[..., H] -> [..., |S|]` (only the draft vocabulary's rows)."""
+        _, head, draft_head = self._target()
+        bias = None if head.bias is None or self.draft_vocab_ids is None else head.bias[self.draft_vocab_ids]
+        if self.draft_vocab_ids is None:
+            return head(hidden.to(head.weight.dtype)).float()
+        return F.linear(hidden.to(draft_head.dtype), draft_head, bias).float()
 
     def markov_bias(self, parent_tokens: torch.Tensor) -> torch.Tensor:
-        """`W2(W1[y])` in float32: `[...] -> [..., V]`."""
+        """`W2(W1[y])` in float32: parent target ids `[...] -> [..., |S|]`."""
         return self.markov_head(parent_tokens).float()
 
     def confidence(self, hidden: torch.Tensor, parent_tokens: torch.Tensor) -> torch.Tensor:

@@ -160,27 +160,32 @@ def build_tree(
     markov_bias: Callable[[torch.Tensor], torch.Tensor],
     root_tokens: torch.Tensor,
     policy: TreePolicy,
+    vocab_ids: torch.Tensor | None = None,
 ) -> DraftTree:
     """Build the packed tree from one drafter pass: `pack_tree(expand_tree(...), policy.budget)`.
 
     Args:
-        depth_logits: `[b, >= D, V]` depth logits `U_k` (slot `k - 1` drafts depth `k`).
-        markov_bias: parent tokens `[b, P]` -> Markov correction `[b, P, V]`.
+        depth_logits: `[b, >= D, |S|]` depth logits `U_k` (slot `k - 1` drafts depth `k`).
+        markov_bias: parent tokens `[b, P]` (target ids) -> Markov correction `[b, P, |S|]`.
         root_tokens: `[b]` anchor tokens `x0`.
         policy: topk `k`, frontier width `F`, budget `N`, depth `D`.
+        vocab_ids: `[|S|]` target id of each draft-vocabulary entry, or None when `S` is the whole
+            vocabulary. Tree tokens are always target ids.
     """
-    pool = expand_tree(depth_logits, markov_bias, root_tokens, policy)
+    pool = expand_tree(depth_logits, markov_bias, root_tokens, policy, vocab_ids)
     return pack_tree(pool, root_tokens, policy.budget, policy.depth)
 
 
 @torch.no_grad()
-def expand_tree(depth_logits, markov_bias, root_tokens: torch.Tensor, policy: TreePolicy) -> Candidates:
+def expand_tree(depth_logits, markov_bias, root_tokens: torch.Tensor, policy: TreePolicy,
+                vocab_ids: torch.Tensor | None = None) -> Candidates:
     """The candidate pool: frontier expansion over `policy.expanded_depth` depths (no packing yet).
 
     Scores: `score(n) = score(parent) + log p_d(token(n) | token(parent))`, with
     `log p_d(v | y) = z_v - logsumexp(z)`, `z = U_d + W2(W1[y])`: only the top-`k` entries and one
     log-sum-exp per parent are needed, never a full log-softmax row. Frontier pruning keeps the `F`
     best nodes of each depth for expansion. Runs without gradient: choices are discrete.
+    `depth_logits` may hold fewer than `policy.depth` slots when only the expanded depths were computed.
     """
     b = root_tokens.shape[0]
     device = root_tokens.device
@@ -193,7 +198,9 @@ def expand_tree(depth_logits, markov_bias, root_tokens: torch.Tensor, policy: Tr
     offset = 0
     for d in range(1, policy.expanded_depth + 1):  # deeper candidates could never be packed
         z = depth_logits[:, d - 1, None, :].float() + markov_bias(front_tok)  # [b, P, V]
-        top_z, top_tok = z.topk(k, dim=-1)  # [b, P, k]
+        top_z, top_tok = z.topk(k, dim=-1)  # [b, P, k] indices into the draft vocabulary
+        if vocab_ids is not None:
+            top_tok = vocab_ids[top_tok]  # target ids
         top_logp = top_z - z.logsumexp(dim=-1, keepdim=True)
         num_parents = front_tok.shape[1]
         child_scores = (front_score[:, :, None] + top_logp).reshape(b, num_parents * k)

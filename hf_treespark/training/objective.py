@@ -99,6 +99,11 @@ class TrainingObjective(nn.Module):
 
     def __init__(self, drafter, loss_config: LossConfig, policy: TreePolicy):
         super().__init__()
+        if drafter.draft_vocab_ids is not None:
+            raise ValueError(f"this drafter has a draft vocabulary (draft_vocab_size="
+                             f"{drafter.config.draft_vocab_size}); training runs on full-vocabulary drafters: "
+                             "train one, then restrict it with "
+                             "`treespark draft-vocab` (restricting needs no retraining)")
         self.drafter = drafter
         self.loss_config = loss_config
         self.policy = policy
