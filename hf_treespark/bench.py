@@ -333,6 +333,76 @@ def write_report(report: dict, out_dir: str | Path) -> list[Path]:
     return [out / "results.json", out / "results.md", *plot_report(report, out)]
 
 
+PROFILE_BUDGETS = (4, 8, 16)
+PROFILE_PHASES = ("draft", "tree", "verify", "walk", "commit")
+
+
+def _timed_generate(target, inputs: dict, **kwargs):
+    start = time.perf_counter()
+    out = target.generate(**inputs, do_sample=False, **kwargs)
+    return out, time.perf_counter() - start
+
+
+def profile_rounds(target, drafter, prompts: list[dict], budgets=PROFILE_BUDGETS, max_new_tokens: int = 64,
+                   progress: bool = True) -> dict:
+    """What a round costs, phase by phase, against one plain decoding step, measured in one run.
+
+    For each prompt (interleaved): plain greedy `generate` for 1 and for `max_new_tokens` tokens, whose
+    difference per token is the plain step; then TreeSpark `generate` at each budget (`"auto"` is
+    resolved first) with an `engine.PhaseTimer`. Returns `{"plain_step_ms", "budgets": [...]}` with, per
+    budget, milliseconds per round of each phase (`other` = the rest of the loop), the round's cost in
+    plain steps, the acceptance length and the speedup they imply (acceptance / round cost).
+    """
+    from tqdm.auto import tqdm
+
+    from .engine import PhaseTimer
+
+    auto = target.generate(**prompts[0], assistant_model=drafter, do_sample=False, max_new_tokens=4,
+                           tree_budget="auto", return_dict_in_generate=True).tree_budget
+    budgets = [("auto", auto)] + [(str(n), n) for n in budgets]
+    timers = {label: PhaseTimer() for label, _ in budgets}
+    committed = dict.fromkeys(timers, 0)
+    plain_seconds = plain_steps = 0.0
+    for inputs in tqdm(prompts, desc="profiling rounds", disable=not progress):
+        _, first = _timed_generate(target, inputs, max_new_tokens=1)
+        out, full = _timed_generate(target, inputs, max_new_tokens=max_new_tokens)
+        steps = out.shape[1] - inputs["input_ids"].shape[1] - 1
+        if steps > 0:
+            plain_seconds += full - first
+            plain_steps += steps
+        for label, n in budgets:
+            result, _ = _timed_generate(target, inputs, assistant_model=drafter, max_new_tokens=max_new_tokens,
+                                        tree_budget=n, tree_timer=timers[label], return_dict_in_generate=True)
+            committed[label] += sum(len(r.committed) for r in result.rounds)
+    plain_ms = 1000 * plain_seconds / max(plain_steps, 1)
+    rows = []
+    for label, n in budgets:
+        timer = timers[label]
+        per_round = {phase: 1000 * timer.seconds[phase] / max(timer.rounds, 1) for phase in PROFILE_PHASES}
+        round_ms = 1000 * timer.seconds["round"] / max(timer.rounds, 1)
+        per_round["other"] = round_ms - sum(per_round.values())
+        acceptance = committed[label] / max(timer.rounds, 1)
+        rows.append({"budget": label, "N": n, "rounds": timer.rounds, "ms": per_round, "round_ms": round_ms,
+                     "round_in_plain_steps": round_ms / plain_ms, "acceptance_length": acceptance,
+                     "implied_speedup": acceptance * plain_ms / round_ms})
+    return {"plain_step_ms": plain_ms, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "budgets": rows}
+
+
+def profile_table(profile: dict) -> str:
+    """The round-cost table in markdown."""
+    head = ("| budget | " + " | ".join(f"{p} ms" for p in (*PROFILE_PHASES, "other"))
+            + " | round ms | round / plain step | acceptance length | implied speedup |")
+    lines = [f"Plain decoding step: {profile['plain_step_ms']:.1f} ms ({profile['prompts']} prompts, "
+             f"{profile['max_new_tokens']} new tokens).", "", head, "|" + "---|" * (head.count("|") - 1)]
+    for row in profile["budgets"]:
+        label = f"auto (N={row['N']})" if row["budget"] == "auto" else f"N={row['N']}"
+        cells = [f"{row['ms'][p]:.1f}" for p in (*PROFILE_PHASES, "other")]
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {row['round_ms']:.1f} | "
+                     f"{row['round_in_plain_steps']:.2f} | {row['acceptance_length']:.2f} | "
+                     f"{row['implied_speedup']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--suites", default=",".join(SUITES), help=f"comma-separated, from {', '.join(SUITES)}")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {', '.join(METHODS)}")
@@ -346,6 +416,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                         help="auto: bf16 where the device computes it natively, else fp32")
     parser.add_argument("--output-dir", default="bench_results")
+    parser.add_argument("--profile", action="store_true",
+                        help="instead of the comparison: what each phase of a TreeSpark round costs, in ms and in "
+                             "plain decoding steps, for the chosen auto budget and N = 4, 8, 16 (profile.md/json)")
     parser.add_argument("--smoke", action="store_true",
                         help="a quick check: 1 prompt per suite, 8 new tokens, budget 8 unless given")
 
@@ -388,6 +461,8 @@ def run_from_args(args: argparse.Namespace) -> int:
             loaded[path] = load_drafter(path, dtype)
         drafters[role] = loaded[path]
 
+    if args.profile:
+        return _run_profile(args, target, tokenizer, drafters, suites)
     try:
         report = run_benchmark(target, tokenizer, drafters, suites, methods, args.num_prompts, args.max_new_tokens,
                                budget)
@@ -402,6 +477,34 @@ def run_from_args(args: argparse.Namespace) -> int:
     if failed is not None:
         print(f"treespark bench: FAILED: {failed}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _run_profile(args, target, tokenizer, drafters: dict, suites: list[str]) -> int:
+    from . import assets
+    from .budget import ensure_latency
+    from .precision import dtype_name
+
+    if "treespark" not in drafters:
+        raise ValueError("--profile needs the TreeSpark drafter (--drafter treespark=PATH with --target)")
+    drafter = drafters["treespark"]
+    ensure_latency(target, drafter)
+    prompts = []
+    for suite in suites:
+        encoded = (assets.chat_inputs(tokenizer, p) for p in select_prompts(suite, 4 * args.num_prompts))
+        prompts += [inputs for inputs in encoded if inputs["input_ids"].shape[1] <= 512][: args.num_prompts]
+    profile = profile_rounds(target, drafter, prompts, max_new_tokens=args.max_new_tokens)
+    profile["config"] = {"dtype": dtype_name(target.dtype), "machine": f"{platform.machine()}, "
+                         f"{torch.get_num_threads()} torch threads", "suites": suites,
+                         "torch": torch.__version__, "transformers": __import__("transformers").__version__}
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "profile.json").write_text(json.dumps(profile, indent=1))
+    table = (f"Round cost on {profile['config']['machine']}, {profile['config']['dtype']}, "
+             f"suites {', '.join(suites)}:\n\n" + profile_table(profile))
+    (out / "profile.md").write_text(table)
+    print(table)
+    print(f"wrote {out / 'profile.json'}, {out / 'profile.md'}")
     return 0
 
 

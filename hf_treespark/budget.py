@@ -24,6 +24,7 @@ import math
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -181,6 +182,21 @@ def calibrate_latency(target, drafter, policy: TreePolicy | None = None, refresh
     """Measure (once; cached) what a round costs on this device for every candidate budget."""
     policy = policy or TreePolicy.from_config(drafter.config)
     return round_latency(target, drafter, policy, _budgets_for(policy), refresh=refresh)
+
+
+def ensure_latency(target, drafter, quiet: bool = False) -> None:
+    """First use on a machine (the CLI, the benchmark, the demo): measure what a round costs here, once, so
+    that `tree_budget="auto"` decides from this device's numbers. Prints what it does unless `quiet`."""
+    policy = TreePolicy.from_config(drafter.config)
+    if not policy.auto or has_latency(target, drafter, policy):
+        return
+    if not quiet:
+        print("[treespark] first use on this machine: measuring what a round costs for each tree budget "
+              f"(once; cached in {cache_dir() / LATENCY_FILE})...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    calibrate_latency(target, drafter, policy)
+    if not quiet:
+        print(f"[treespark] measured in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
 
 
 def has_latency(target, drafter, policy: TreePolicy | None = None) -> bool:

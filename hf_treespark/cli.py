@@ -6,28 +6,13 @@ import argparse
 import sys
 import time
 
+from .budget import ensure_latency
 from .loading import load_pair
 from .precision import DTYPE_CHOICES, dtype_name
 
 
 def _load_pair(args):
     return load_pair(args.target, args.drafter, args.dtype)
-
-
-def ensure_latency(target, drafter, quiet: bool = False) -> None:
-    """First use on a machine: measure what a round costs here (once; cached) for `tree_budget="auto"`."""
-    from .budget import calibrate_latency, has_latency
-    from .tree import TreePolicy
-
-    if not TreePolicy.from_config(drafter.config).auto or has_latency(target, drafter):
-        return
-    if not quiet:
-        print("[treespark] first use on this machine: measuring what a round costs for each tree budget "
-              "(once; cached for tree_budget='auto')...", file=sys.stderr, flush=True)
-    start = time.perf_counter()
-    calibrate_latency(target, drafter)
-    if not quiet:
-        print(f"[treespark] measured in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
 
 
 def cmd_generate(args) -> int:

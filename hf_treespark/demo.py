@@ -23,6 +23,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from . import assets
+from .budget import ensure_latency
 from .exactness import check_greedy_equivalence
 from .generation import RoundRecord, TreeSparkGenerateOutput
 from .loading import load_drafter, load_pair
@@ -161,6 +162,7 @@ class ModelPair:
              dtype: str | torch.dtype = "auto") -> "ModelPair":
         """By name or path; None = the offline default target / the shipped drafter."""
         target_model, tokenizer, drafter_model = load_pair(target, drafter, dtype)
+        ensure_latency(target_model, drafter_model)  # first use on this machine: for tree_budget="auto"
         return cls(target_model, tokenizer, drafter_model, describe_pair(target, drafter))
 
 

@@ -19,7 +19,10 @@ and the tree/verification modules, so it can ship as remote code.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -49,18 +52,50 @@ def select_features(hidden_states: tuple[torch.Tensor, ...], indices: list[int])
 
 
 @torch.no_grad()
-def draft_pool(drafter, policy: TreePolicy, anchor: torch.Tensor, position: int,
-               new_features: torch.Tensor | None, context_cache) -> Candidates:
-    """The draft step: one drafter pass for anchor `x0` (`[b]`) at `position`, then the candidate pool.
+def drafter_pass(drafter, policy: TreePolicy, anchor: torch.Tensor, position: int,
+                 new_features: torch.Tensor | None, context_cache) -> torch.Tensor:
+    """One drafter pass for anchor `x0` (`[b]`) at `position`: depth logits `[b, D', |S|]` (float32).
 
     `new_features` `[b, s, n_layers * d_target]`: target features of the positions committed since the
-    last pass; they are appended to `context_cache` (the drafter's projected context).
+    last pass; they are appended to `context_cache` (the drafter's projected context). `U_k` is computed
+    only for the `D'` depths the policy expands (a budget `N < B` never reaches below depth `N`).
     """
     out = drafter(anchor_ids=anchor[:, None], anchor_positions=torch.full_like(anchor[:, None], position),
                   target_features=new_features, context_cache=context_cache, return_logits=False)
-    # U_k only for the depths the policy expands (a budget N < B never reaches below depth N).
-    depth_logits = drafter.depth_logits(out.hidden_states[:, : policy.expanded_depth])
+    return drafter.depth_logits(out.hidden_states[:, : policy.expanded_depth])
+
+
+def draft_pool(drafter, policy: TreePolicy, anchor: torch.Tensor, position: int,
+               new_features: torch.Tensor | None, context_cache) -> Candidates:
+    """The draft step: `drafter_pass`, then the tree policy's candidate pool (`tree.expand_tree`)."""
+    depth_logits = drafter_pass(drafter, policy, anchor, position, new_features, context_cache)
     return expand_tree(depth_logits, drafter.markov_bias, anchor, policy, drafter.draft_vocab_ids)
+
+
+class PhaseTimer:
+    """Wall time of each round phase, summed over rounds (`seconds[phase]`), for profiling a decoding call.
+
+    Phases: `draft` (drafter pass), `tree` (expand and pack), `verify` (the target forward), `walk`
+    (acceptance), `commit` (cache and drafter context); `round` is the whole round as the loop sees it,
+    so `round - sum(phases)` is everything else. CUDA is synchronised around each phase.
+    """
+
+    PHASES = ("draft", "tree", "verify", "walk", "commit")
+
+    def __init__(self):
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.rounds = 0
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        yield
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.seconds[phase] += time.perf_counter() - start
+        self.rounds += phase == "round"
 
 
 @dataclass
@@ -95,7 +130,7 @@ class TreeSparkSession:
 
     def __init__(self, target, drafter, policy: TreePolicy, *, logits_processor: LogitsProcessorList | None = None,
                  do_sample: bool = False, keep_scores: bool = False, cache: DynamicCache | None = None,
-                 choose_budget: Callable[[torch.Tensor], int] | None = None):
+                 choose_budget: Callable[[torch.Tensor], int] | None = None, timer: PhaseTimer | None = None):
         self.target = target
         self.drafter = drafter.bind_target(target)
         self.policy = policy
@@ -110,6 +145,10 @@ class TreeSparkSession:
         self.context = drafter.new_context_cache()
         self.pending: torch.Tensor | None = None  # target features not yet in the drafter's context
         self.past_len = 0  # entries in the target cache
+        self.timer = timer
+
+    def _phase(self, name: str):
+        return self.timer(name) if self.timer is not None else nullcontext()
 
     def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Run the prompt `[1, T]` through the target; returns the last position's logits `[1, V]`."""
@@ -121,13 +160,16 @@ class TreeSparkSession:
 
     def draft(self, x0: torch.Tensor) -> DraftTree:
         """Draft and pack this round's tree for anchor `x0` (`[1]`)."""
-        pool = draft_pool(self.drafter, self.policy, x0, self.past_len, self.pending, self.context)
+        with self._phase("draft"):
+            depth_logits = drafter_pass(self.drafter, self.policy, x0, self.past_len, self.pending, self.context)
         self.pending = None
-        if self.policy.auto:
-            if self.choose_budget is None:
-                raise ValueError("an 'auto' tree budget needs choose_budget (see hf_treespark.budget)")
-            self.policy = self.policy.with_budget(self.choose_budget(pool.scores[0]))
-        return pack_tree(pool, x0, self.policy.budget, self.policy.depth)
+        with self._phase("tree"):
+            pool = expand_tree(depth_logits, self.drafter.markov_bias, x0, self.policy, self.drafter.draft_vocab_ids)
+            if self.policy.auto:
+                if self.choose_budget is None:
+                    raise ValueError("an 'auto' tree budget needs choose_budget (see hf_treespark.budget)")
+                self.policy = self.policy.with_budget(self.choose_budget(pool.scores[0]))
+            return pack_tree(pool, x0, self.policy.budget, self.policy.depth)
 
     def verify(self, tree: DraftTree):
         """ONE target forward over the packed tree; the output has logits `[1, N + 1, V]`."""
@@ -161,8 +203,11 @@ class TreeSparkSession:
     def step(self, ids: torch.Tensor) -> Round:
         """One round for the sequence `ids` (`[1, T]`, last token `x0`): draft, verify, accept, commit."""
         tree = self.draft(ids[:, -1])
-        verified = self.verify(tree)
-        acceptance = self.accept(tree, verified.logits, ids)
-        num_accepted = int(acceptance.num_accepted[0])
-        self.commit(verified, acceptance, num_accepted)
+        with self._phase("verify"):
+            verified = self.verify(tree)
+        with self._phase("walk"):
+            acceptance = self.accept(tree, verified.logits, ids)
+            num_accepted = int(acceptance.num_accepted[0])
+        with self._phase("commit"):
+            self.commit(verified, acceptance, num_accepted)
         return Round(tree, acceptance, num_accepted)

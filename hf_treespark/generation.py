@@ -9,6 +9,7 @@ that: stopping criteria inside a round, streaming, scores, per-round records.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -149,12 +150,14 @@ def treespark_decoding(
     tree_frontier: int | None = None,
     tree_chain: bool = False,
     tree_record: bool = False,
+    tree_timer=None,
     **model_kwargs,
 ):
     """The TreeSpark decoding loop (a transformers `custom_generate` callable).
 
     Returns `[1, prompt + new]` token ids, or a `TreeSparkGenerateOutput` with
-    `return_dict_in_generate=True`. `tree_record=True` stores each round's tree in its record.
+    `return_dict_in_generate=True`. `tree_record=True` stores each round's tree in its record;
+    `tree_timer` (an `engine.PhaseTimer`) sums the wall time of each round phase (`treespark bench --profile`).
     One target forward per round: nothing is measured here (`tree_budget="auto"` reads the latency
     that `hf_treespark.budget.calibrate_latency` stored, or falls back to a default budget).
     """
@@ -176,7 +179,8 @@ def treespark_decoding(
     elif cache.get_seq_length() > 0:
         raise ValueError("TreeSpark decoding starts from an empty cache; do not pass a filled cache.")
     session = TreeSparkSession(model, drafter, policy, logits_processor=logits_processor, do_sample=do_sample,
-                               keep_scores=want_scores or want_logits, cache=cache, choose_budget=choose_budget)
+                               keep_scores=want_scores or want_logits, cache=cache, choose_budget=choose_budget,
+                               timer=tree_timer)
 
     if streamer is not None:
         streamer.put(input_ids.cpu())
@@ -196,28 +200,29 @@ def treespark_decoding(
 
     rounds: list[RoundRecord] = []
     while not done:
-        rnd = session.step(ids)
-        new_tokens = rnd.tokens
-        ids = torch.cat([ids, new_tokens], dim=1)
-        stop = _first_stop(stopping_criteria, ids, new_tokens.shape[1])
-        if stop is not None:
-            ids = ids[:, : ids.shape[1] - new_tokens.shape[1] + stop]
-            new_tokens = new_tokens[:, :stop]
-            done = True
-        committed = new_tokens.shape[1]
-        if want_scores:
-            scores.extend(rnd.acceptance.scores[:committed])
-        if want_logits:
-            raw_logits.extend(rnd.acceptance.raw_logits[:committed])
-        if streamer is not None:
-            streamer.put(new_tokens.cpu())
-        rounds.append(RoundRecord(
-            tree_size=rnd.tree.num_nodes,
-            num_accepted=min(rnd.num_accepted, committed),
-            accepted_path=rnd.acceptance.path[0, 1:committed + 1].tolist(),
-            committed=new_tokens[0].tolist(),
-            tree=tree_record_dict(rnd.tree) if tree_record else None,
-        ))
+        with session.timer("round") if session.timer is not None else nullcontext():
+            rnd = session.step(ids)
+            new_tokens = rnd.tokens
+            ids = torch.cat([ids, new_tokens], dim=1)
+            stop = _first_stop(stopping_criteria, ids, new_tokens.shape[1])
+            if stop is not None:
+                ids = ids[:, : ids.shape[1] - new_tokens.shape[1] + stop]
+                new_tokens = new_tokens[:, :stop]
+                done = True
+            committed = new_tokens.shape[1]
+            if want_scores:
+                scores.extend(rnd.acceptance.scores[:committed])
+            if want_logits:
+                raw_logits.extend(rnd.acceptance.raw_logits[:committed])
+            if streamer is not None:
+                streamer.put(new_tokens.cpu())
+            rounds.append(RoundRecord(
+                tree_size=rnd.tree.num_nodes,
+                num_accepted=min(rnd.num_accepted, committed),
+                accepted_path=rnd.acceptance.path[0, 1:committed + 1].tolist(),
+                committed=new_tokens[0].tolist(),
+                tree=tree_record_dict(rnd.tree) if tree_record else None,
+            ))
 
     if streamer is not None:
         streamer.end()

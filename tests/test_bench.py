@@ -81,3 +81,18 @@ def test_calibrate_writes_an_acceptance_profile_the_drafter_loads(tmp_path):
     drafter = TreeSparkDrafter.from_pretrained(drafter_dir, dtype=torch.float32)
     profile = drafter.config.acceptance_profile
     assert set(profile) == {"2", "8"} and all(t >= 1.0 for t in profile.values())
+
+
+def test_profile_reports_every_phase_in_plain_steps(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_TREESPARK_CACHE", str(tmp_path / "cache"))
+    rc = bench.main(["--profile", "--smoke", "--suites", "mtbench", "--dtype", "fp32", "--output-dir", str(tmp_path)])
+    assert rc == 0
+    profile = json.loads((tmp_path / "profile.json").read_text())
+    assert [row["budget"] for row in profile["budgets"]] == ["auto", "4", "8", "16"]
+    assert profile["plain_step_ms"] > 0
+    for row in profile["budgets"]:
+        assert row["rounds"] > 0 and all(row["ms"][p] > 0 for p in ("draft", "tree", "verify", "walk", "commit"))
+        assert sum(row["ms"].values()) == pytest.approx(row["round_ms"])
+        assert row["round_in_plain_steps"] == pytest.approx(row["round_ms"] / profile["plain_step_ms"])
+    assert (tmp_path / "cache" / "round_latency.json").is_file()  # first use measured this machine once
+    assert "round / plain step" in capsys.readouterr().out

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -137,7 +138,8 @@ def test_draft_vocab_command_restricts_the_shipped_drafter(tmp_path, capsys):
     from hf_treespark.cli import main
 
     data = tmp_path / "refs.jsonl"
-    with open("../shared/data/sharegpt_smollm2_regen.jsonl") as src, open(data, "w") as out:
+    shared = Path(__file__).resolve().parents[2] / "shared" / "data" / "sharegpt_smollm2_regen.jsonl"
+    with open(shared) as src, open(data, "w") as out:
         for _, line in zip(range(200), src, strict=False):
             out.write(json.dumps({"response_ids": json.loads(line)["response_ids"]}) + "\n")
     assert main(["draft-vocab", "--data", str(data), "--size", "4096", "--output", str(tmp_path / "small")]) == 0
