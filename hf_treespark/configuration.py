@@ -37,6 +37,8 @@ class TreeSparkConfig(PretrainedConfig):
             (`hf_treespark.budget`).
         acceptance_profile: measured mean acceptance length per budget, `{"N": tau}`
             (`hf_treespark.budget.calibrate_acceptance`), or None.
+        tree_lookup: tokens per lookup branch grafted into each round's tree (continuations of the
+            text's suffix found earlier in the prompt or output; `hf_treespark.lookup`); 0 = off.
         draft_vocab_size: size `|S|` of the draft vocabulary, the target-vocabulary subset the drafter
             proposes from (frequency-ranked ids, stored in the checkpoint as the buffer
             `draft_vocab_ids`); None: the whole target vocabulary. Verification always uses the full
@@ -69,6 +71,7 @@ class TreeSparkConfig(PretrainedConfig):
         tree_frontier: int = 4,
         tree_budget: int | str = 32,
         acceptance_profile: dict[str, float] | None = None,
+        tree_lookup: int = 0,
         draft_vocab_size: int | None = None,
         initializer_range: float = 0.02,
         **kwargs,
@@ -99,6 +102,7 @@ class TreeSparkConfig(PretrainedConfig):
         self.tree_budget = tree_budget
         self.acceptance_profile = ({str(int(n)): float(t) for n, t in acceptance_profile.items()}
                                    if acceptance_profile else None)
+        self.tree_lookup = tree_lookup
         self.draft_vocab_size = draft_vocab_size
         self.initializer_range = initializer_range
         kwargs.pop("hidden_size", None)  # always equal to target_hidden_size
@@ -134,6 +138,8 @@ class TreeSparkConfig(PretrainedConfig):
         need(self.head_dim % 2 == 0, "head_dim", "must be even for rotary embeddings")
         need(self.mask_token_id is None or 0 <= self.mask_token_id < self.target_vocab_size, "mask_token_id",
              f"must be None (learned mask embedding) or an id in [0, {self.target_vocab_size})")
+        need(isinstance(self.tree_lookup, int) and not isinstance(self.tree_lookup, bool) and self.tree_lookup >= 0,
+             "tree_lookup", "must be an integer >= 0 (tokens per lookup branch; 0 = off)")
         need(self.draft_vocab_size is None or (isinstance(self.draft_vocab_size, int)
                                                and 0 < self.draft_vocab_size <= self.target_vocab_size),
              "draft_vocab_size", f"must be None (the whole vocabulary) or an integer in [1, {self.target_vocab_size}]")

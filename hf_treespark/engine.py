@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, LogitsProcessorList
 
+from .lookup import graft_lookup, lookup_continuations
 from .tree import Candidates, DraftTree, TreePolicy, expand_tree, pack_tree
 from .verify import (
     Acceptance,
@@ -61,8 +62,8 @@ def drafter_pass(drafter, policy: TreePolicy, anchor: torch.Tensor, position: in
     only for the `D'` depths the policy expands (a budget `N < B` never reaches below depth `N`).
     """
     out = drafter(anchor_ids=anchor[:, None], anchor_positions=torch.full_like(anchor[:, None], position),
-                  target_features=new_features, context_cache=context_cache, return_logits=False)
-    return drafter.depth_logits(out.hidden_states[:, : policy.expanded_depth])
+                  target_features=new_features, context_cache=context_cache, logit_slots=policy.expanded_depth)
+    return out.depth_logits
 
 
 def draft_pool(drafter, policy: TreePolicy, anchor: torch.Tensor, position: int,
@@ -111,6 +112,13 @@ class Round:
         """`[1, num_accepted + 1]`: accepted tokens, then the bonus."""
         return self.acceptance.tokens[:, : self.num_accepted + 1]
 
+    def lookup_accepted(self, count: int | None = None) -> int:
+        """How many of the first `count` accepted nodes (default: all) only a lookup branch proposed."""
+        if self.tree.lookup is None:
+            return 0
+        path = self.acceptance.path[0, 1: 1 + (self.num_accepted if count is None else count)]
+        return int(self.tree.lookup[0, path].sum())
+
 
 class TreeSparkSession:
     """Decoding state of one sequence (batch size 1): target KV cache, drafter context, policy.
@@ -158,13 +166,21 @@ class TreeSparkSession:
         self.past_len = input_ids.shape[1]
         return out.logits[:, -1]
 
-    def draft(self, x0: torch.Tensor) -> DraftTree:
-        """Draft and pack this round's tree for anchor `x0` (`[1]`)."""
+    def draft(self, ids: torch.Tensor) -> DraftTree:
+        """Draft and pack this round's tree for the sequence `ids` (`[1, T]`; its last token is the anchor `x0`).
+
+        With `policy.lookup`, continuations of the text's suffix found earlier in it (prompt and output,
+        padding excluded) are grafted into the candidate pool before packing (`lookup.py`).
+        """
+        x0 = ids[:, -1]
         with self._phase("draft"):
             depth_logits = drafter_pass(self.drafter, self.policy, x0, self.past_len, self.pending, self.context)
         self.pending = None
         with self._phase("tree"):
             pool = expand_tree(depth_logits, self.drafter.markov_bias, x0, self.policy, self.drafter.draft_vocab_ids)
+            if self.policy.lookup:
+                history = ids[0, ids.shape[1] - 1 - self.past_len:]  # the unpadded text, x0 last
+                pool = graft_lookup(pool, lookup_continuations(history, self.policy.lookup))
             if self.policy.auto:
                 if self.choose_budget is None:
                     raise ValueError("an 'auto' tree budget needs choose_budget (see hf_treespark.budget)")
@@ -202,7 +218,7 @@ class TreeSparkSession:
     @torch.no_grad()
     def step(self, ids: torch.Tensor) -> Round:
         """One round for the sequence `ids` (`[1, T]`, last token `x0`): draft, verify, accept, commit."""
-        tree = self.draft(ids[:, -1])
+        tree = self.draft(ids)
         with self._phase("verify"):
             verified = self.verify(tree)
         with self._phase("walk"):

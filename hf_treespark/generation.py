@@ -19,6 +19,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .budget import auto_budget
 from .engine import TreeSparkSession, draft_pool
+from .lookup import graft_lookup, lookup_continuations
 from .tree import DraftTree, TreePolicy, pack_tree
 
 
@@ -26,7 +27,8 @@ from .tree import DraftTree, TreePolicy, pack_tree
 class RoundRecord:
     """What happened in one drafting round.
 
-    tree_size: non-root nodes verified. num_accepted: accepted non-root nodes.
+    tree_size: non-root nodes verified. num_accepted: accepted non-root nodes, of which
+    `lookup_accepted` only a lookup branch had proposed.
     accepted_path: node indices (into the packed tree, root excluded) of the accepted path.
     committed: tokens committed this round (accepted tokens, then the bonus unless the round
     stopped first). tree: the packed tree (`tokens`, `parents`, `depths`, `scores`, root first)
@@ -38,6 +40,7 @@ class RoundRecord:
     accepted_path: list[int]
     committed: list[int]
     tree: dict | None = None
+    lookup_accepted: int = 0
 
     @property
     def acceptance_length(self) -> int:
@@ -70,10 +73,11 @@ def acceptance_stats(rounds: list[RoundRecord], depth: int) -> tuple[float, list
 
 
 def resolve_policy(drafter, tree_budget=None, tree_topk=None, tree_depth=None, tree_frontier=None,
-                   tree_chain=False) -> TreePolicy:
+                   tree_chain=False, tree_lookup=None) -> TreePolicy:
     """The drafter config's tree policy, overridden by the per-call knobs (`TreePolicy.from_config`)."""
     return TreePolicy.from_config(drafter.config, budget=tree_budget, topk=tree_topk, depth=tree_depth,
-                                  frontier=tree_frontier, chain=tree_chain, vocab_size=drafter.draft_vocab_size)
+                                  frontier=tree_frontier, chain=tree_chain, lookup=tree_lookup,
+                                  vocab_size=drafter.draft_vocab_size)
 
 
 def _first_stop(stopping_criteria: StoppingCriteriaList, ids: torch.Tensor, num_new: int) -> int | None:
@@ -149,6 +153,7 @@ def treespark_decoding(
     tree_depth: int | None = None,
     tree_frontier: int | None = None,
     tree_chain: bool = False,
+    tree_lookup: int | None = None,
     tree_record: bool = False,
     tree_timer=None,
     **model_kwargs,
@@ -163,7 +168,7 @@ def treespark_decoding(
     """
     drafter = treespark_drafter
     check_supported(model, drafter, input_ids, generation_config)
-    policy = resolve_policy(drafter, tree_budget, tree_topk, tree_depth, tree_frontier, tree_chain)
+    policy = resolve_policy(drafter, tree_budget, tree_topk, tree_depth, tree_frontier, tree_chain, tree_lookup)
     policy, choose_budget = _auto_chooser(model, drafter, policy)
     streamer = treespark_streamer
     want_scores = bool(generation_config.output_scores)
@@ -222,6 +227,7 @@ def treespark_decoding(
                 accepted_path=rnd.acceptance.path[0, 1:committed + 1].tolist(),
                 committed=new_tokens[0].tolist(),
                 tree=tree_record_dict(rnd.tree) if tree_record else None,
+                lookup_accepted=rnd.lookup_accepted(min(rnd.num_accepted, committed)),
             ))
 
     if streamer is not None:
@@ -243,7 +249,9 @@ def treespark_decoding(
 def tree_record_dict(tree: DraftTree) -> dict:
     """Plain lists describing a packed tree and its candidate pool (batch row 0)."""
     cand = tree.candidates
+    no_lookup = [False] * tree.tokens.shape[1]
     return {
+        "lookup": tree.lookup[0].tolist() if tree.lookup is not None else no_lookup,
         "tokens": tree.tokens[0].tolist(),
         "parents": tree.parents[0].tolist(),
         "depths": tree.depths[0].tolist(),
@@ -255,6 +263,7 @@ def tree_record_dict(tree: DraftTree) -> dict:
             "scores": cand.scores[0].tolist(),
             "packed": cand.packed[0].tolist(),
             "node_index": cand.node_index[0].tolist(),
+            "lookup": cand.lookup[0].tolist() if cand.lookup is not None else [False] * cand.tokens.shape[1],
         },
     }
 
@@ -294,6 +303,8 @@ class TreeSparkCandidateGenerator(CandidateGenerator):
         x0 = input_ids[:, -1]
         pool = draft_pool(self.drafter, self.policy, x0, committed, self.pending, self.cache)
         self.pending = None
+        if self.policy.lookup:
+            pool = graft_lookup(pool, lookup_continuations(input_ids[0], self.policy.lookup))
         self.tree = pack_tree(pool, x0, self.policy.budget, self.policy.depth)
         return torch.cat([input_ids, self.tree.tokens[:, 1:]], dim=1), None
 

@@ -22,7 +22,8 @@ from transformers import GenerationMixin
 
 from .generation import treespark_decoding
 
-TREE_KWARGS = ("tree_budget", "tree_topk", "tree_depth", "tree_frontier", "tree_chain", "tree_record", "tree_timer")
+TREE_KWARGS = ("tree_budget", "tree_topk", "tree_depth", "tree_frontier", "tree_chain", "tree_lookup", "tree_record",
+               "tree_timer")
 _ORIGINAL_GENERATE = GenerationMixin.generate
 _ORIGINAL_CANDIDATE_GENERATOR = GenerationMixin._get_candidate_generator
 _FALLBACK = ("call hf_treespark.generate(target, drafter, input_ids, ...) instead, or use a transformers "

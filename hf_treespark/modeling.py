@@ -411,6 +411,7 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
         context_cache: DrafterContextCache | None = None,
         context_valid: torch.Tensor | None = None,
         return_logits: bool = True,
+        logit_slots: int | None = None,
     ) -> TreeSparkDrafterOutput:
         """Draft one block of `B` slots per anchor.
 
@@ -424,7 +425,9 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
                 appended to it. With a cache, every block sees the whole cached context (`A` must be 1).
             context_valid: `[b, s]` bool, training only: which context positions exist (padding).
                 Without a cache, block `a` sees the context positions `< anchor_positions[a]`.
-            return_logits: also compute `U_k` (`[b, A * B, V]`, float32).
+            return_logits: also compute `U_k` (`[b, A * B, |S|]`, float32).
+            logit_slots: compute `U_k` for the first `logit_slots` depths of each block only
+                (`[b, A * logit_slots, |S|]`): a tree that expands fewer depths needs no more.
         """
         b, num_anchors = anchor_ids.shape
         bsz = self.config.block_size
@@ -451,7 +454,14 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
         for layer in self.layers:
             block = layer(block, block_rope, context, context_rope, attention_mask, context_cache)
         hidden = self.norm(block)
-        logits = self.depth_logits(hidden) if return_logits else None
+        logits = None
+        if return_logits:
+            slots = bsz if logit_slots is None else min(logit_slots, bsz)
+            if slots < bsz:  # [b, A * B, H] -> the first `slots` depths of each block
+                hidden_slots = hidden.view(b, num_anchors, bsz, -1)[:, :, :slots].reshape(b, num_anchors * slots, -1)
+            else:
+                hidden_slots = hidden
+            logits = self.depth_logits(hidden_slots)
         return TreeSparkDrafterOutput(hidden_states=hidden, depth_logits=logits)
 
     def _training_mask(self, anchor_positions, context_positions, context_valid) -> torch.Tensor:

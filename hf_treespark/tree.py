@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 
 BUDGET_POOL = 64  # the largest budget `tree_budget="auto"` considers
+LOOKUP_BRANCHES = 2  # lookup branches per round at most (distinct continuations; `lookup.py`)
 
 
 def as_positive_int(value, name: str) -> int:
@@ -39,6 +40,7 @@ class TreePolicy:
 
     `auto=True` (from `tree_budget="auto"`): `budget` is the candidate pool the device-specific
     choice is made from (`hf_treespark.budget`), and the decoding loop replaces it before verifying.
+    `lookup`: tokens per lookup branch grafted into the pool (`lookup.py`; 0 = none).
     """
 
     topk: int = 4
@@ -46,13 +48,14 @@ class TreePolicy:
     budget: int = 32
     depth: int = 7
     auto: bool = False
+    lookup: int = 0
 
     @classmethod
     def chain(cls, depth: int) -> TreePolicy:
         return cls(topk=1, frontier=1, budget=depth, depth=depth)
 
     @classmethod
-    def from_config(cls, config, *, budget=None, topk=None, depth=None, frontier=None, chain=False,
+    def from_config(cls, config, *, budget=None, topk=None, depth=None, frontier=None, chain=False, lookup=None,
                     vocab_size: int | None = None) -> TreePolicy:
         """The drafter config's policy (`tree_*` fields), overridden by per-call knobs (None = config's).
 
@@ -71,15 +74,20 @@ class TreePolicy:
         auto = isinstance(budget, str) and budget == "auto"
         if not auto:
             budget = as_positive_int(budget, "tree_budget")
+        lookup = getattr(config, "tree_lookup", 0) if lookup is None else lookup
+        lookup = 0 if lookup == 0 and not isinstance(lookup, bool) else as_positive_int(lookup, "tree_lookup")
+        lookup = min(lookup, depth)  # a branch deeper than the tree could never be verified whole
         if chain:
-            return cls(topk=1, frontier=1, budget=depth if auto else min(budget, depth), depth=depth)
+            return cls(topk=1, frontier=1, budget=depth if auto else min(budget, depth), depth=depth, lookup=lookup)
         topk = as_positive_int(config.tree_topk if topk is None else topk, "tree_topk")
         frontier = as_positive_int(config.tree_frontier if frontier is None else frontier, "tree_frontier")
         if vocab_size is not None and topk > vocab_size:
             raise ValueError(f"tree_topk={topk} exceeds the drafter's vocabulary of {vocab_size} tokens; "
                              f"use at most {vocab_size} children per parent")
-        policy = cls(topk=topk, frontier=frontier, budget=BUDGET_POOL if auto else budget, depth=depth, auto=auto)
-        policy.budget = min(policy.budget, policy.with_budget(BUDGET_POOL * 1000).num_candidates)
+        policy = cls(topk=topk, frontier=frontier, budget=BUDGET_POOL if auto else budget, depth=depth, auto=auto,
+                     lookup=lookup)
+        largest_pool = policy.with_budget(BUDGET_POOL * 1000).num_candidates + policy.max_lookup_nodes
+        policy.budget = min(policy.budget, largest_pool)
         return policy
 
     def with_budget(self, budget: int) -> TreePolicy:
@@ -94,6 +102,11 @@ class TreePolicy:
         if self.depth > block_size:
             raise ValueError(f"tree depth={self.depth} exceeds the drafter's block size {block_size}; "
                              f"use a depth between 1 and {block_size}")
+
+    @property
+    def max_lookup_nodes(self) -> int:
+        """At most how many nodes lookup branches add to the pool."""
+        return LOOKUP_BRANCHES * self.lookup
 
     @property
     def expanded_depth(self) -> int:
@@ -120,6 +133,7 @@ class DraftTree:
     scores:    `[b, N + 1]` joint score, sum of `log p_k(token | parent token)` along the path.
     ancestors: `[b, N + 1, N + 1]` bool, row `i` marks `i` and all its ancestors.
     candidates: the candidate pool before packing (`Candidates`), for inspection and replay.
+    lookup: `[b, N + 1]` bool, nodes only a lookup branch proposed (the drafter did not), or None.
     """
 
     tokens: torch.Tensor
@@ -128,6 +142,7 @@ class DraftTree:
     scores: torch.Tensor
     ancestors: torch.Tensor
     candidates: Candidates
+    lookup: torch.Tensor | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -144,6 +159,7 @@ class Candidates:
     node_index: `[b, C]` position of each candidate in the packed tree (-1 if not packed; None before packing).
     expansions: per depth `k = 1..D`, the expanded parents: `(parent_candidate [b, P_k] (-1 = root),
         parent_tokens [b, P_k], child_candidates [b, P_k, topk])`.
+    lookup: `[b, C]` bool, candidates grafted from lookup branches only (`lookup.graft_lookup`), or None.
     """
 
     tokens: torch.Tensor
@@ -153,6 +169,7 @@ class Candidates:
     packed: torch.Tensor | None
     node_index: torch.Tensor | None
     expansions: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    lookup: torch.Tensor | None = None
 
 
 def build_tree(
@@ -232,9 +249,13 @@ def pack_tree(pool: Candidates, root_tokens: torch.Tensor, budget: int, max_dept
     cand_tokens, cand_parents, cand_depths, cand_scores = pool.tokens, pool.parents, pool.depths, pool.scores
     num_cand = cand_tokens.shape[1]
     budget = min(budget, num_cand)
-    # Best scores first, ties to the earlier candidate (= smaller depth).
-    order = torch.sort(cand_scores, dim=1, descending=True, stable=True).indices
-    chosen = order[:, :budget].sort(dim=1).values  # [b, N], depth-major order: parents first
+    # Best scores first, ties to the smaller depth, then to the earlier candidate.
+    by_depth = torch.sort(cand_depths, dim=1, stable=True).indices
+    order = by_depth.gather(1, torch.sort(cand_scores.gather(1, by_depth), dim=1, descending=True, stable=True).indices)
+    # [b, N] in depth-major order (then candidate order): parents first.
+    rank = cand_depths * num_cand + torch.arange(num_cand, device=device)
+    chosen = order[:, :budget]
+    chosen = chosen.gather(1, rank.gather(1, chosen).sort(dim=1).indices)
     packed = torch.zeros(b, num_cand, dtype=torch.bool, device=device).scatter_(1, chosen, True)
     node_index = torch.full((b, num_cand), -1, dtype=torch.long, device=device)
     node_index.scatter_(1, chosen, torch.arange(1, budget + 1, device=device).expand(b, -1))
@@ -248,9 +269,12 @@ def pack_tree(pool: Candidates, root_tokens: torch.Tensor, budget: int, max_dept
     tree_parents = torch.cat([root_col(-1, node_parents), node_parents], 1)
     tree_depths = torch.cat([root_col(0, cand_depths), cand_depths.gather(1, chosen)], 1)
     tree_scores = torch.cat([root_col(0.0, cand_scores), cand_scores.gather(1, chosen)], 1)
+    tree_lookup = None
+    if pool.lookup is not None:
+        tree_lookup = torch.cat([root_col(False, pool.lookup), pool.lookup.gather(1, chosen)], 1)
     candidates = replace(pool, packed=packed, node_index=node_index)
     return DraftTree(tree_tokens, tree_parents, tree_depths, tree_scores,
-                     ancestor_matrix(tree_parents, max_depth), candidates)
+                     ancestor_matrix(tree_parents, max_depth), candidates, tree_lookup)
 
 
 def ancestor_matrix(parents: torch.Tensor, max_depth: int) -> torch.Tensor:

@@ -1,0 +1,96 @@
+"""Lookup branches: continuations of the current suffix found earlier in the text, grafted into the tree.
+
+Prompt lookup drafts for free where an answer copies its prompt or repeats itself; the learned
+drafter wins elsewhere. Both kinds of candidate go into the one tree verified per round (SPEC 2c):
+
+1. `lookup_continuations`: the longest suffix of the text so far (prompt and output; `n` tokens,
+   `n = 3, 2, 1`) that also occurs earlier; the `L` tokens that followed its most recent occurrence
+   form a branch. Further occurrences add branches when they continue differently (at most
+   `tree.LOOKUP_BRANCHES`), longer matches first.
+2. `graft_lookup`: each branch is a chain from the root. A lookup token that equals an existing child
+   in the candidate pool IS that node (no duplicate siblings); otherwise it becomes a new node.
+
+Scores. Global packing needs one comparable score per node: the sum of log-probabilities along the
+path, as for drafted nodes. A lookup token has no drafter probability of its own, so it gets an
+estimated probability of being the target's next token given its parent was, from the length `n` of
+the match that found it (`LOOKUP_TOKEN_PROB`): `score = score(parent) + log p(n)`. A node that the
+drafter also proposed keeps the larger of its two scores. Scores still never increase along a path
+(`log p(n) < 0`, and the drafter's own scores do not), so the packed set stays prefix-closed. The
+estimates are deliberately modest: a lookup node displaces a drafted one only where the match is
+long or the drafter is unsure.
+
+Lookup nodes are ordinary nodes for verification and the walk, so greedy decoding stays exact and
+sampling stays distribution-preserving. Training is unchanged: lookup is an inference-time addition.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .tree import LOOKUP_BRANCHES, Candidates
+
+MAX_NGRAM = 3
+LOOKUP_TOKEN_PROB = {1: 0.3, 2: 0.5, 3: 0.6}  # per-token acceptance estimate by match length n
+
+
+def lookup_continuations(history: torch.Tensor, length: int, max_ngram: int = MAX_NGRAM,
+                         max_branches: int = LOOKUP_BRANCHES) -> list[tuple[list[int], int]]:
+    """Branches `(tokens, n)` for the 1-D token `history` (its last token is the tree's root `x0`).
+
+    For `n = max_ngram .. 1`: every earlier occurrence of the last `n` tokens, most recent first,
+    proposes the (up to) `length` tokens that followed it; a continuation that starts like one
+    already found is skipped. A match near the end of the text gives a shorter branch.
+    """
+    total = history.shape[0]
+    branches: list[tuple[list[int], int]] = []
+    starts: set[int] = set()
+    for n in range(min(max_ngram, total - 1), 0, -1):
+        windows = history.unfold(0, n, 1)[:-1]  # [total - n, n]: every earlier n-gram with a successor
+        hits = (windows == history[total - n:]).all(dim=1).nonzero().flatten().tolist()
+        for start in reversed(hits):
+            follow = history[start + n: start + n + length].tolist()
+            if follow[0] in starts:
+                continue
+            starts.add(follow[0])
+            branches.append((follow, n))
+            if len(branches) == max_branches:
+                return branches
+    return branches
+
+
+def graft_lookup(pool: Candidates, branches: list[tuple[list[int], int]]) -> Candidates:
+    """`pool` (batch size 1) with the lookup branches merged in; `Candidates.lookup` flags new nodes."""
+    if not branches:
+        return pool
+    tokens, parents = pool.tokens[0].tolist(), pool.parents[0].tolist()
+    depths, scores = pool.depths[0].tolist(), pool.scores[0].tolist()
+    lookup = [False] * len(tokens)
+    child = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens, strict=True))}
+    for branch, n in branches:
+        step = math.log(LOOKUP_TOKEN_PROB[min(n, MAX_NGRAM)])
+        parent, parent_score = -1, 0.0
+        for depth, token in enumerate(branch, start=1):
+            score = parent_score + step
+            node = child.get((parent, token))
+            if node is None:
+                node = len(tokens)
+                child[(parent, token)] = node
+                tokens.append(token)
+                parents.append(parent)
+                depths.append(depth)
+                scores.append(score)
+                lookup.append(True)
+            else:
+                scores[node] = max(scores[node], score)
+            parent, parent_score = node, scores[node]
+    like = pool.tokens
+    return Candidates(
+        tokens=torch.tensor([tokens], dtype=like.dtype, device=like.device),
+        parents=torch.tensor([parents], dtype=pool.parents.dtype, device=like.device),
+        depths=torch.tensor([depths], dtype=pool.depths.dtype, device=like.device),
+        scores=torch.tensor([scores], dtype=pool.scores.dtype, device=like.device),
+        packed=None, node_index=None, expansions=pool.expansions,
+        lookup=torch.tensor([lookup], dtype=torch.bool, device=like.device),
+    )

@@ -1,0 +1,126 @@
+"""Lookup branches (`lookup.py`, SPEC 2c): matching, grafting, packing, and lossless decoding with them."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import make_drafter, make_target
+from test_generation import chi_square_ok, make_oracle, prompt
+from transformers import LogitsProcessorList, TemperatureLogitsWarper
+
+from hf_treespark.lookup import LOOKUP_TOKEN_PROB, graft_lookup, lookup_continuations
+from hf_treespark.tree import TreePolicy, expand_tree, pack_tree
+from hf_treespark.verify import processed_accept
+
+
+def test_longest_and_most_recent_matches_come_first_and_branches_differ():
+    history = torch.tensor([5, 6, 7, 8, 9, 5, 6, 7, 10, 11, 5, 6, 7])
+    assert lookup_continuations(history, 3) == [([10, 11, 5], 3), ([8, 9, 5], 3)]
+    # one branch per distinct continuation: the older "5 6 7 -> 10" repeats the first start
+    history = torch.tensor([5, 6, 7, 10, 1, 5, 6, 7, 10, 2, 5, 6, 7])
+    assert lookup_continuations(history, 2) == [([10, 2], 3)]
+
+
+def test_a_match_near_the_end_gives_a_shorter_branch_and_no_match_gives_none():
+    assert lookup_continuations(torch.tensor([3, 4, 3, 4]), 5) == [([3, 4], 2)]
+    assert lookup_continuations(torch.tensor([1, 2, 3, 4]), 5) == []
+    assert lookup_continuations(torch.tensor([7]), 5) == []
+
+
+def small_pool(vocab: int = 12, policy: TreePolicy | None = None):
+    policy = policy or TreePolicy(topk=2, frontier=2, budget=10, depth=3)
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, policy.depth, vocab, generator=gen) * 2
+    return expand_tree(logits, lambda t: torch.zeros(*t.shape, vocab), torch.tensor([0]), policy), policy
+
+
+def test_grafting_merges_duplicates_adds_new_nodes_and_keeps_paths_unique():
+    pool, policy = small_pool()
+    first_child = int(pool.tokens[0, 0])  # a depth-1 drafter candidate
+    fresh = next(t for t in range(12) if t not in pool.tokens[0, : policy.topk].tolist())
+    grafted = graft_lookup(pool, [([first_child, 11, 11], 3), ([fresh, 4], 1)])
+    num_new = grafted.tokens.shape[1] - pool.tokens.shape[1]
+    assert grafted.lookup[0].sum() == num_new and not grafted.lookup[0, : pool.tokens.shape[1]].any()
+    # the duplicate is the same node, with the larger of its two scores
+    assert grafted.scores[0, 0] == max(float(pool.scores[0, 0]), math.log(LOOKUP_TOKEN_PROB[3]))
+    pairs = list(zip(grafted.parents[0].tolist(), grafted.tokens[0].tolist(), strict=True))
+    assert len(pairs) == len(set(pairs)), "no duplicate siblings"
+    for i, (parent, _) in enumerate(pairs):  # scores never increase along a path
+        if parent >= 0:
+            assert grafted.scores[0, i] <= grafted.scores[0, parent]
+            assert grafted.depths[0, i] == grafted.depths[0, parent] + 1
+    for budget in range(1, grafted.tokens.shape[1] + 1):  # every budget packs a prefix-closed, ordered tree
+        tree = pack_tree(grafted, torch.tensor([0]), budget, policy.depth)
+        for i in range(1, tree.num_nodes + 1):
+            assert 0 <= tree.parents[0, i] < i
+            assert tree.depths[0, i] >= tree.depths[0, i - 1]
+        assert tree.lookup.shape == tree.tokens.shape
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2", "mistral"])
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_greedy_with_lookup_branches_equals_plain_generate(arch, attn):
+    target = make_target(arch, attn)
+    drafter = make_drafter(target)
+    repeating = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8, 9]])
+    for ids, new in ((repeating, 30), (prompt(1, 17), 25), (prompt(2, 5), 20)):
+        ref = target.generate(ids, do_sample=False, max_new_tokens=new)
+        oracle = make_oracle(target, ref)  # drafter candidates that duplicate lookup branches
+        for knobs in ({"tree_lookup": 4}, {"tree_lookup": 7, "tree_budget": 3}, {"tree_lookup": 2, "tree_chain": True}):
+            for d in (drafter, oracle):
+                out = target.generate(ids, assistant_model=d, do_sample=False, max_new_tokens=new,
+                                      return_dict_in_generate=True, **knobs)
+                assert torch.equal(out.sequences, ref), (arch, attn, knobs, type(d).__name__)
+    out = target.generate(repeating, assistant_model=drafter, do_sample=False, max_new_tokens=30, tree_lookup=5,
+                          return_dict_in_generate=True, tree_record=True)
+    assert sum(r.lookup_accepted for r in out.rounds) > 0, "the repeating prompt should commit lookup tokens"
+    assert any(any(r.tree["lookup"]) for r in out.rounds)
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_sampling_walk_over_a_grafted_tree_follows_the_target(temperature):
+    vocab = 6
+    pool, policy = small_pool(vocab, TreePolicy(topk=2, frontier=1, budget=8, depth=3))
+    grafted = graft_lookup(pool, [([5, 4, 3], 3), ([int(pool.tokens[0, 0]), 2], 2)])
+    tree = pack_tree(grafted, torch.tensor([0]), 8, policy.depth)
+    assert tree.lookup.any()
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(1, tree.num_nodes + 1, vocab, generator=gen) * 1.5
+    processors = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
+    children = {int(tree.tokens[0, i]): i for i in range(1, tree.num_nodes + 1) if tree.parents[0, i] == 0}
+    torch.manual_seed(0)
+    first, pairs = torch.zeros(vocab), torch.zeros(vocab, vocab)
+    for _ in range(20_000):
+        acc = processed_accept(tree, logits, torch.tensor([[0]]), processors, do_sample=True)
+        t1 = int(acc.tokens[0, 0])
+        first[t1] += 1
+        if t1 in children:
+            pairs[t1, int(acc.tokens[0, 1])] += 1
+    assert chi_square_ok(first, torch.softmax(logits[0, 0] / temperature, -1))[0]
+    tested = 0
+    for token, node in children.items():
+        if pairs[token].sum() >= 500:
+            assert chi_square_ok(pairs[token], torch.softmax(logits[0, node] / temperature, -1))[0]
+            tested += 1
+    assert tested >= 2  # a drafted child and a lookup child
+
+
+def test_end_to_end_sampling_with_lookup_matches_the_target_distribution():
+    target = make_target("llama", seed=3)
+    ids = torch.tensor([[9, 4, 7, 9, 4]])  # the suffix "9 4" occurred before: a lookup branch "7 9 4"
+    vocab, temperature = target.config.vocab_size, 1.0
+    with torch.no_grad():
+        p1 = torch.softmax(target(ids).logits[0, -1] / temperature, -1)
+        seq2 = torch.cat([ids.expand(vocab, -1), torch.arange(vocab)[:, None]], 1)
+        marg2 = (p1[:, None] * torch.softmax(target(seq2).logits[:, -1] / temperature, -1)).sum(0)
+    drafter = make_drafter(target, tree_topk=2, tree_frontier=1, tree_budget=6)
+    torch.manual_seed(0)
+    counts = torch.zeros(vocab)
+    for _ in range(600):
+        out = target.generate(ids, assistant_model=drafter, do_sample=True, temperature=temperature, top_k=0,
+                              max_new_tokens=2, eos_token_id=None, tree_lookup=3, return_dict_in_generate=True)
+        counts[out.sequences[0, -1]] += 1
+    ok, stat = chi_square_ok(counts, marg2)
+    assert ok, stat
