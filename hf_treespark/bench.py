@@ -32,6 +32,7 @@ from .precision import DTYPE_CHOICES, resolve_dtype
 SUITES = ("mtbench", "humaneval", "sharegpt")
 SUITE_LABELS = {"mtbench": "MT-Bench", "humaneval": "HumanEval", "sharegpt": "ShareGPT (held-out)"}
 PROMPT_LOOKUP_TOKENS = 10
+LOOKUP_TOKENS = 7  # tokens per lookup branch for "TreeSpark + lookup" (the drafter's block size)
 
 
 @dataclass(frozen=True)
@@ -53,9 +54,10 @@ METHODS = {
         Method("dspark_tree", "DSpark + Tree", "dspark_tree", {}),
         Method("treespark_chain", "TreeSpark drafter, chain", "treespark", {"tree_chain": True}),
         Method("treespark", "TreeSpark", "treespark", {}),
+        Method("treespark_lookup", "TreeSpark + lookup", "treespark", {"tree_lookup": LOOKUP_TOKENS}),
     )
 }
-TREE_METHODS = ("dspark_tree", "treespark")  # these share one tree budget
+TREE_METHODS = ("dspark_tree", "treespark", "treespark_lookup")  # these share one tree budget
 
 
 class BenchmarkError(RuntimeError):
@@ -76,6 +78,7 @@ class MethodResult:
     committed_after_prefill: int = 0
     rounds_reaching_depth: list[int] = field(default_factory=list)
     rounds: int = 0
+    lookup_accepted: int = 0  # accepted tokens that only a lookup branch had proposed
     exact: int = 0
     tokens_per_second: float | None = None
     speedup: float | None = None
@@ -198,6 +201,7 @@ def run_benchmark(target, tokenizer, drafters: dict, suites=SUITES, methods=tupl
                 row.committed_after_prefill += new - 1
                 if rounds is not None:
                     row.rounds += len(rounds)
+                    row.lookup_accepted += sum(r.lookup_accepted for r in rounds)
                     for r in rounds:
                         for d in range(min(r.num_accepted, depth)):
                             row.rounds_reaching_depth[d] += 1
@@ -253,13 +257,15 @@ def markdown_table(report: dict) -> str:
         f"{cfg['tree_budget']} (requested {cfg['requested_budget']}); torch {cfg['torch']}, "
         f"transformers {cfg['transformers']}.",
         "",
-        "| suite | method | acceptance length | tokens/s | speedup vs plain | exact |",
-        "|---|---|---|---|---|---|",
+        "| suite | method | acceptance length | tokens/s | speedup vs plain | exact | new tokens from lookup |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in report["results"]:
+        from_lookup = (f"{100 * row.get('lookup_accepted', 0) / row['new_tokens']:.1f}%"
+                       if row["method"] == "treespark_lookup" and row["new_tokens"] else "–")
         lines.append(f"| {SUITE_LABELS[row['suite']]} | {row['label']} | {_fmt(row['acceptance_length'])} | "
                      f"{_fmt(row['tokens_per_second'], '.1f')} | {_fmt(row['speedup'])}x | "
-                     f"{row['exact']}/{row['prompts']} |")
+                     f"{row['exact']}/{row['prompts']} | {from_lookup} |")
     depth_rows = [r for r in report["results"] if r["acceptance_by_depth"]]
     if depth_rows:
         depth = max(len(r["acceptance_by_depth"]) for r in depth_rows)

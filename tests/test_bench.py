@@ -18,7 +18,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def test_smoke_run_covers_every_suite_and_method_and_checks_exactness(tmp_path):
     shipped = str(assets.DEFAULT_DRAFTER_DIR)
     out = tmp_path / "bench"
-    rc = bench.main(["--smoke", "--output-dir", str(out), "--drafter", f"dspark={shipped}",
+    rc = bench.main(["--smoke", "--dtype", "fp32", "--output-dir", str(out), "--drafter", f"dspark={shipped}",
                      "--drafter", f"dspark_tree={shipped}"])
     assert rc == 0
     report = json.loads((out / "results.json").read_text())
