@@ -1,0 +1,95 @@
+"""The learning curve's measure: acceptance on a development set, computed without decoding.
+
+A greedy round anchored at `x_a` (the target's cache holds the positions before `a`) accepts the
+longest prefix of the target's own greedy continuation `x_{a+1}, x_{a+2}, ...` that the packed tree
+holds, plus the bonus token. On the target's greedy responses (the development references), that
+is computable for every response position at once: one target forward for the features, one
+drafter pass with every position as an anchor (the training mask lets anchor `a` see the context
+before `a`, exactly what decoding gives it), `tree.build_tree` per anchor, and a walk along the
+reference. The mean over positions weights every position equally, where decoding visits only the
+positions that start a round; the two agree to the extent that acceptance does not depend on the
+position, and this one needs no decoding loop (seconds, not minutes).
+
+The development set: held-out ShareGPT prompts (file positions >= 12,000) that neither the benchmark
+(the first `4 * num_prompts`, at least 64) nor `treespark calibrate` (prompts 200-399) draws,
+answered greedily by the target once and cached as JSONL.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..tree import TreePolicy, build_tree
+from .data import ReferenceSequence, collate_references, load_references, regenerate_responses, sharegpt_prompts
+from .trainer import target_features
+
+DEV_PROMPTS = slice(400, 432)  # held-out ShareGPT prompts that the benchmark and calibration never draw
+
+
+def build_dev_set(target, tokenizer, path: str | Path, prompts: slice = DEV_PROMPTS, max_new_tokens: int = 128,
+                  batch_size: int = 8, progress: bool = True) -> list[ReferenceSequence]:
+    """The development references at `path` (JSONL), generated greedily by `target` the first time."""
+    path = Path(path)
+    chosen = sharegpt_prompts("heldout", limit=prompts.stop)[prompts]
+    regenerate_responses(target, tokenizer, chosen, path, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                         progress=progress)  # resumable: prompts already in the file are skipped
+    return load_references(path)
+
+
+@torch.no_grad()
+def accepted_depths(drafter, ids: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor,
+                    policy: TreePolicy) -> torch.Tensor:
+    """`[A]` nodes a greedy round anchored at each of `anchors` accepts, on the greedy sequence `ids` `[T]`.
+
+    `features` `[1, T, n_layers * d]`: the target's features of `ids`; every anchor needs `policy.depth`
+    tokens after it.
+    """
+    depth = policy.depth
+    out = drafter(anchor_ids=ids[anchors][None], anchor_positions=anchors[None], target_features=features,
+                  logit_slots=policy.expanded_depth)
+    depth_logits = out.depth_logits.view(len(anchors), policy.expanded_depth, -1)
+    tree = build_tree(depth_logits, drafter.markov_bias, ids[anchors], policy, drafter.draft_vocab_ids)
+    continuation = ids[anchors[:, None] + torch.arange(depth + 1, device=ids.device)]  # [A, D + 1], x_a first
+    correct = tree.tokens == continuation.gather(1, tree.depths)
+    on_path = ~(tree.ancestors & ~correct[:, None, :]).any(dim=-1)  # the node and all its ancestors are right
+    return torch.where(on_path, tree.depths, 0).max(dim=1).values
+
+
+@torch.no_grad()
+def reference_acceptance(target, drafter, references: list[ReferenceSequence], policy: TreePolicy,
+                         anchors_per_sequence: int = 64, batch_size: int = 4) -> dict:
+    """Acceptance on the target's greedy `references` (see the module docstring).
+
+    Returns `{"acceptance_length": mean accepted nodes + 1, "depth_rates": [fraction of anchors whose
+    accepted path reaches depth d, d = 1..D], "anchors": count}`. Anchors are spread evenly over each
+    response, at most `anchors_per_sequence` of them, and need `D` reference tokens after them.
+    """
+    was_training = drafter.training
+    drafter.eval()
+    device = next(drafter.parameters()).device
+    depth = policy.depth
+    accepted_total, reach, count = 0, torch.zeros(depth), 0
+    for start in range(0, len(references), batch_size):
+        batch = references[start: start + batch_size]
+        tensors = collate_references(batch, pad_id=0)
+        input_ids = tensors["input_ids"].to(device)
+        features, _ = target_features(target, drafter.config.target_layer_ids, input_ids,
+                                      tensors["attention_mask"].to(device))
+        for row, ref in enumerate(batch):
+            last = len(ref.input_ids) - 1 - depth  # the anchor needs D reference tokens after it
+            if last < ref.prompt_len:
+                continue
+            positions = torch.linspace(ref.prompt_len, last, min(anchors_per_sequence, last - ref.prompt_len + 1))
+            anchors = positions.round().long().unique().to(device)
+            ids = input_ids[row, : len(ref.input_ids)]
+            accepted = accepted_depths(drafter, ids, features[row: row + 1, : len(ref.input_ids)], anchors, policy)
+            accepted_total += int(accepted.sum())
+            reach += (accepted[:, None] >= torch.arange(1, depth + 1, device=device)).sum(0).float().cpu()
+            count += len(anchors)
+    drafter.train(was_training)
+    if count == 0:
+        raise ValueError("no development reference is long enough to anchor a tree on")
+    return {"acceptance_length": 1 + accepted_total / count, "depth_rates": (reach / count).tolist(),
+            "anchors": count}

@@ -1,0 +1,49 @@
+"""The learning curve's measure: teacher-forced acceptance equals what greedy decoding accepts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_drafter, make_target
+
+from hf_treespark.training.data import ReferenceSequence
+from hf_treespark.training.evaluate import accepted_depths, reference_acceptance
+from hf_treespark.training.trainer import target_features
+from hf_treespark.tree import TreePolicy
+
+
+def test_per_anchor_acceptance_matches_the_rounds_of_greedy_decoding():
+    target = make_target("llama")
+    ids = torch.randint(4, 100, (1, 6), generator=torch.Generator().manual_seed(5))
+    ref = target.generate(ids, do_sample=False, max_new_tokens=60, eos_token_id=None)
+    for drafter in (make_drafter(target, tree_budget=8), make_drafter(target, tree_budget=40, tree_topk=8)):
+        policy = TreePolicy.from_config(drafter.config)
+        out = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=60, eos_token_id=None,
+                              return_dict_in_generate=True)
+        assert torch.equal(out.sequences, ref)
+        anchors, accepted, position = [], [], ids.shape[1]  # the first round's anchor: the prefill token
+        for r in out.rounds:
+            if position + policy.depth < ref.shape[1] and r.num_accepted + 1 == len(r.committed):
+                anchors.append(position)
+                accepted.append(r.num_accepted)
+            position += len(r.committed)
+        drafter.bind_target(target)
+        features, _ = target_features(target, drafter.config.target_layer_ids, ref, torch.ones_like(ref))
+        got = accepted_depths(drafter, ref[0], features, torch.tensor(anchors), policy)
+        assert got.tolist() == accepted and sum(accepted) > 0
+
+
+def test_reference_acceptance_summarises_every_anchor():
+    target = make_target("llama")
+    drafter = make_drafter(target).bind_target(target)
+    refs = []
+    for seed in range(3):
+        prompt = torch.randint(4, 100, (1, 5), generator=torch.Generator().manual_seed(seed))
+        full = target.generate(prompt, do_sample=False, max_new_tokens=30, eos_token_id=None)
+        refs.append(ReferenceSequence(id=str(seed), input_ids=full[0].tolist(), prompt_len=5))
+    policy = TreePolicy.from_config(drafter.config)
+    result = reference_acceptance(target, drafter, refs, policy, anchors_per_sequence=100)
+    assert result["anchors"] == 3 * (30 - policy.depth)  # every response position with D tokens after it
+    rates = result["depth_rates"]
+    assert len(rates) == policy.depth and all(a >= b for a, b in zip(rates, rates[1:], strict=False))
+    assert result["acceptance_length"] == pytest.approx(1 + sum(rates))
