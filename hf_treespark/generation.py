@@ -18,7 +18,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .budget import auto_budget
-from .engine import TreeSparkSession, draft_pool
+from .engine import Round, TreeSparkSession, draft_pool
 from .lookup import graft_lookup, lookup_continuations
 from .tree import DraftTree, TreePolicy, pack_tree
 
@@ -45,6 +45,15 @@ class RoundRecord:
     @property
     def acceptance_length(self) -> int:
         return len(self.committed)
+
+    @classmethod
+    def of(cls, rnd: Round, committed: list[int], keep_tree: bool = False) -> RoundRecord:
+        """The record of an engine round whose `committed` tokens (possibly cut by a stop) were kept."""
+        accepted = min(rnd.num_accepted, len(committed))
+        return cls(tree_size=rnd.tree.num_nodes, num_accepted=accepted,
+                   accepted_path=rnd.acceptance.path[0, 1:len(committed) + 1].tolist(), committed=committed,
+                   tree=tree_record_dict(rnd.tree) if keep_tree else None,
+                   lookup_accepted=rnd.lookup_accepted(accepted))
 
 
 @dataclass
@@ -128,6 +137,23 @@ def _left_padding(attention_mask: torch.Tensor | None, input_ids: torch.Tensor) 
     return num_pad
 
 
+def _empty_cache(model_kwargs: dict) -> DynamicCache | None:
+    """The caller's `DynamicCache` if it passed one (it must be empty), else None (the session makes one)."""
+    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+    if not isinstance(cache, DynamicCache):
+        return None
+    if cache.get_seq_length() > 0:
+        raise ValueError("TreeSpark decoding starts from an empty cache; do not pass a filled cache.")
+    return cache
+
+
+def _pick(processed: torch.Tensor, do_sample: bool) -> torch.Tensor:
+    """The next token `[1, 1]` from processed scores `[1, V]`: a sample, or the argmax."""
+    if do_sample:
+        return torch.multinomial(torch.softmax(processed, dim=-1), num_samples=1)
+    return processed.argmax(dim=-1, keepdim=True)
+
+
 def _auto_chooser(model, drafter, policy: TreePolicy):
     """For `tree_budget="auto"`: the budget, fixed now when it can be, else a chooser for the first round."""
     if not policy.auto:
@@ -178,24 +204,16 @@ def treespark_decoding(
     # Left padding (batch size 1): the target sees the unpadded prompt; processors and stopping
     # criteria see the padded sequence, as in plain decoding.
     num_pad = _left_padding(model_kwargs.get("attention_mask"), input_ids)
-    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
-    if cache is None or not isinstance(cache, DynamicCache):
-        cache = None
-    elif cache.get_seq_length() > 0:
-        raise ValueError("TreeSpark decoding starts from an empty cache; do not pass a filled cache.")
     session = TreeSparkSession(model, drafter, policy, logits_processor=logits_processor, do_sample=do_sample,
-                               keep_scores=want_scores or want_logits, cache=cache, choose_budget=choose_budget,
-                               timer=tree_timer)
+                               keep_scores=want_scores or want_logits, cache=_empty_cache(model_kwargs),
+                               choose_budget=choose_budget, timer=tree_timer)
 
     if streamer is not None:
         streamer.put(input_ids.cpu())
     # Prefill: the first token comes from the prompt's forward, as in plain decoding.
     row = session.prefill(input_ids[:, num_pad:]).float()
     processed = logits_processor(input_ids, row) if len(logits_processor) else row
-    if do_sample:
-        first = torch.multinomial(torch.softmax(processed, dim=-1), num_samples=1)
-    else:
-        first = processed.argmax(dim=-1, keepdim=True)
+    first = _pick(processed, do_sample)
     scores = [processed] if want_scores else []
     raw_logits = [row] if want_logits else []
     ids = torch.cat([input_ids, first], dim=1)
@@ -221,14 +239,7 @@ def treespark_decoding(
                 raw_logits.extend(rnd.acceptance.raw_logits[:committed])
             if streamer is not None:
                 streamer.put(new_tokens.cpu())
-            rounds.append(RoundRecord(
-                tree_size=rnd.tree.num_nodes,
-                num_accepted=min(rnd.num_accepted, committed),
-                accepted_path=rnd.acceptance.path[0, 1:committed + 1].tolist(),
-                committed=new_tokens[0].tolist(),
-                tree=tree_record_dict(rnd.tree) if tree_record else None,
-                lookup_accepted=rnd.lookup_accepted(min(rnd.num_accepted, committed)),
-            ))
+            rounds.append(RoundRecord.of(rnd, new_tokens[0].tolist(), tree_record))
 
     if streamer is not None:
         streamer.end()
