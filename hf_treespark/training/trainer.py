@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -192,8 +193,9 @@ class FeatureCache:
         if not stored:
             stored = {"num_tokens": str(rows)}
         wanted = self.metadata(ref)
-        for key, value in stored.items():
-            if key in wanted and wanted[key] != value:
+        for key in wanted:  # a fixed order: the run-wide settings first, then the sequence's length
+            value = stored.get(key, wanted[key])
+            if value != wanted[key]:
                 raise FeatureCacheMismatch(
                     f"feature cache {self.directory} was filled with other settings: {path.name} holds "
                     f"{_CACHE_FIELD_HINTS.get(key, key)} {value!r}, this run needs {wanted[key]!r}. Give this run "
@@ -279,7 +281,9 @@ def build_accelerator(config: TrainConfig):
     """The run's `Accelerator`: gradient accumulation, mixed precision and tracker from `config`.
 
     Build it before anything else touches accelerate's process state (a bare `PartialState()` first would fix
-    the state without `ACCELERATE_USE_CPU`, and torchrun's CPU processes would then each train alone).
+    the state without `ACCELERATE_USE_CPU`, and torchrun's CPU processes would then each train alone). Under
+    torchrun on a machine without an accelerator device it asks for CPU processes itself, so
+    `torchrun --nproc_per_node 2 ...` trains one run on a CPU machine with or without `ACCELERATE_USE_CPU=true`.
     """
     from accelerate import Accelerator
 
@@ -287,7 +291,16 @@ def build_accelerator(config: TrainConfig):
     if mixed == "auto":
         mixed = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
     return Accelerator(gradient_accumulation_steps=config.grad_accum, mixed_precision=mixed,
-                       log_with="tensorboard" if config.tensorboard else None, project_dir=config.output_dir)
+                       log_with="tensorboard" if config.tensorboard else None, project_dir=config.output_dir,
+                       cpu=_cpu_processes_under_torchrun())
+
+
+def _cpu_processes_under_torchrun() -> bool:
+    """True when torchrun started several processes (`WORLD_SIZE` > 1) on a machine without an accelerator."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    device_api = getattr(torch, "accelerator", None)
+    return not (device_api.is_available() if device_api is not None else torch.cuda.is_available())
 
 
 class Trainer:
