@@ -7,6 +7,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -143,3 +144,39 @@ def test_example_under_torchrun_trains_as_one_process_with_twice_the_batch(tiny_
     for key in a:
         assert torch.allclose(a[key], b[key], atol=1e-5, rtol=1e-4), key
     assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == ["step-00000001", "step-00000002"]
+
+
+def test_a_run_sigkilled_during_a_checkpoint_write_resumes_to_the_uninterrupted_weights(tiny_files, tmp_path):
+    """SIGKILL while a `.tmp-step-N` checkpoint is being written; the same command then finishes the run."""
+    from safetensors.torch import load_file
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    target, refs = tiny_files
+
+    def command(out: Path) -> list[str]:
+        return [sys.executable, str(EXAMPLE), "--target", str(target), "--data", str(refs), *TINY,
+                "--max-steps", "30", "--save-every", "1", "--batch-size", "1", "--output-dir", str(out)]
+
+    subprocess.run(command(tmp_path / "whole"), check=True, env=env, timeout=300, capture_output=True)
+    run = tmp_path / "killed"
+    proc = subprocess.Popen(command(run), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        # Wait until a checkpoint after the first is being written (its temporary directory exists), then kill.
+        while proc.poll() is None and not any((run / "checkpoints").glob(".tmp-step-0000000[3-9]")):
+            time.sleep(0.001)
+        proc.kill()
+    finally:
+        proc.wait(timeout=60)
+    assert proc.returncode == -9, "the run ended before it could be killed mid-checkpoint"
+    done = sorted(p.name for p in (run / "checkpoints").glob("step-*"))
+    assert done and done[-1] < "step-00000030" and not (run / "final").exists()
+
+    again = subprocess.run(command(run), env=env, timeout=300, capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr[-3000:]
+    resumed_from = int(done[-1].split("-")[1])
+    assert f"trained {30 - resumed_from} steps (to step 30 of 30)" in again.stdout
+    a = load_file(tmp_path / "whole" / "final" / "model.safetensors")
+    b = load_file(run / "final" / "model.safetensors")
+    for key in a:
+        assert torch.allclose(a[key], b[key], atol=1e-6, rtol=0), key
