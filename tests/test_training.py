@@ -318,3 +318,22 @@ def test_two_processes_make_the_same_update_as_one(tmp_path):
     for key in a:
         assert torch.allclose(a[key], b[key], atol=1e-5, rtol=1e-4), key
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_the_trainer_refuses_a_token_id_outside_the_target_vocabulary(tmp_path):
+    from conftest import make_drafter, make_target
+
+    from hf_treespark.training.data import ReferenceSequence
+    from hf_treespark.training.trainer import Trainer
+
+    target = make_target("llama")
+    refs = [ReferenceSequence("fine", [1, 5, 6, 7], 1), ReferenceSequence("bad", [1, 5, 128, 7], 1)]
+    with pytest.raises(ValueError, match=r"reference sequence 'bad' holds token id 128, outside the target's "
+                                         r"vocabulary \(0\.\.127\)"):
+        Trainer(TrainConfig(output_dir=str(tmp_path), max_steps=1), target, make_drafter(target), refs)
+
+
+@pytest.mark.parametrize("steps", [0, -1])
+def test_train_config_refuses_max_steps_below_one(steps):
+    with pytest.raises(ValueError, match=rf"max_steps must be at least 1 \(got {steps}\)"):
+        TrainConfig(max_steps=steps)

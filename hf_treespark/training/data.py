@@ -472,8 +472,8 @@ def _int_list(record: dict, key: str, vocab_size: int | None = None) -> list[int
     value = record.get(key)
     if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         raise ValueError(f"{key!r} must be a list of token ids")
-    bad = next((t for t in value if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
-    if bad is not None:
+    if value and (min(value) < 0 or (vocab_size is not None and max(value) >= vocab_size)):
+        bad = next(t for t in value if t < 0 or (vocab_size is not None and t >= vocab_size))
         limit = f"the target's vocabulary (0..{vocab_size - 1})" if vocab_size is not None else "0 or more"
         raise ValueError(f"{key!r} holds token id {bad}, outside {limit}: was this file made with another "
                          "tokenizer?")
@@ -483,8 +483,8 @@ def _int_list(record: dict, key: str, vocab_size: int | None = None) -> list[int
 def check_token_ids(references: list[ReferenceSequence], vocab_size: int) -> None:
     """Raise `ValueError` naming the first sequence with a token id outside `0..vocab_size - 1`."""
     for ref in references:
-        bad = next((t for t in ref.input_ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
+        if ref.input_ids and (min(ref.input_ids) < 0 or max(ref.input_ids) >= vocab_size):
+            bad = next(t for t in ref.input_ids if not 0 <= t < vocab_size)
             raise ValueError(f"reference sequence {ref.id!r} holds token id {bad}, outside the target's vocabulary "
                              f"(0..{vocab_size - 1}): was it made with another tokenizer?")
 
