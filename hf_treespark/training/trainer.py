@@ -410,10 +410,12 @@ class Trainer:
                                "resumes from the checkpoint before it.") from err
         conflicts = self._resume_conflicts(state)
         if conflicts:
+            saved_preset = state.get("config", {}).get("preset")
+            own = f" (preset {saved_preset!r})" if saved_preset else ""
             raise ValueError(f"{self.output_dir} holds a training run with other settings (checkpoint {path.name}: "
                              f"{'; '.join(conflicts)}). That checkpoint is intact. To train these settings, use "
                              "another output directory (--output-dir); to resume that run, start it again with its "
-                             "own settings.")
+                             f"own settings{own}.")
         try:
             self.accelerator.load_state(str(path))
         except Exception as err:
