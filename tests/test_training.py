@@ -238,6 +238,62 @@ def test_resume_reaches_the_same_parameters(tmp_path):
         assert torch.allclose(got[key], value, atol=1e-6, rtol=0), key
 
 
+class _Killed(BaseException):
+    """Stands for SIGKILL: nothing after it runs, no `except Exception` catches it."""
+
+
+def _crash_while_saving_step(trainer, step: int, where: str, monkeypatch) -> None:
+    """Make `trainer.save_checkpoint` die at `where` when it writes the checkpoint of `step`."""
+    from hf_treespark.training import trainer as trainer_module
+
+    real_save_state = trainer.accelerator.save_state
+
+    def save_state(directory, *args, **kwargs):
+        real_save_state(directory, *args, **kwargs)
+        if trainer.step == step and where == "save_state":
+            for f in Path(directory).glob("*.safetensors"):  # half-written weights
+                f.write_bytes(f.read_bytes()[:100])
+            raise _Killed
+
+    real_rename, real_rmtree = Path.rename, shutil.rmtree
+
+    def rename(self, target):
+        if trainer.step == step and where == "publish":
+            raise _Killed
+        return real_rename(self, target)
+
+    def rmtree(path, *args, **kwargs):
+        if trainer.step == step and where == "prune" and Path(path).name.startswith("step-"):
+            raise _Killed
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(trainer.accelerator, "save_state", save_state)
+    monkeypatch.setattr(Path, "rename", rename)
+    monkeypatch.setattr(trainer_module.shutil, "rmtree", rmtree)
+
+
+@pytest.mark.parametrize("where, survivor", [("save_state", 3), ("publish", 3), ("prune", 6)])
+def test_a_crash_during_a_checkpoint_write_loses_only_the_steps_since_the_last_checkpoint(tmp_path, monkeypatch,
+                                                                                          where, survivor):
+    full = tiny_trainer(tmp_path / "full", max_steps=6, keep_checkpoints=1)
+    full.train(resume=False, progress=False)
+    expected = _snapshot(full)
+
+    crashing = tiny_trainer(tmp_path / "run", max_steps=6, keep_checkpoints=1)  # checkpoints at steps 3 and 6
+    with monkeypatch.context() as patch:
+        _crash_while_saving_step(crashing, 6, where, patch)
+        with pytest.raises(_Killed):
+            crashing.train(resume=False, progress=False)
+    resumed = tiny_trainer(tmp_path / "run", max_steps=6, keep_checkpoints=1)
+    assert resumed.latest_checkpoint().name == f"step-{survivor:08d}"
+    assert resumed.resume() and resumed.step == survivor
+    resumed.train(resume=False, progress=False)
+    assert resumed.step == 6 and resumed.latest_checkpoint().name == "step-00000006"
+    got = _snapshot(resumed)
+    for key, value in expected.items():
+        assert torch.allclose(got[key], value, atol=1e-6, rtol=0), key
+
+
 def test_damaged_checkpoint_is_refused_with_its_path(tmp_path):
     trainer = tiny_trainer(tmp_path, max_steps=3)
     trainer.train(resume=False, progress=False)
@@ -262,3 +318,22 @@ def test_two_processes_make_the_same_update_as_one(tmp_path):
     for key in a:
         assert torch.allclose(a[key], b[key], atol=1e-5, rtol=1e-4), key
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_the_trainer_refuses_a_token_id_outside_the_target_vocabulary(tmp_path):
+    from conftest import make_drafter, make_target
+
+    from hf_treespark.training.data import ReferenceSequence
+    from hf_treespark.training.trainer import Trainer
+
+    target = make_target("llama")
+    refs = [ReferenceSequence("fine", [1, 5, 6, 7], 1), ReferenceSequence("bad", [1, 5, 128, 7], 1)]
+    with pytest.raises(ValueError, match=r"reference sequence 'bad' holds token id 128, outside the target's "
+                                         r"vocabulary \(0\.\.127\)"):
+        Trainer(TrainConfig(output_dir=str(tmp_path), max_steps=1), target, make_drafter(target), refs)
+
+
+@pytest.mark.parametrize("steps", [0, -1])
+def test_train_config_refuses_max_steps_below_one(steps):
+    with pytest.raises(ValueError, match=rf"max_steps must be at least 1 \(got {steps}\)"):
+        TrainConfig(max_steps=steps)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import sys
 import types
 from functools import partial
@@ -400,3 +401,30 @@ def test_collate_references_right_pads_a_batch():
     assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9], [5, 6, 7, 2, 2]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
     assert batch["prompt_lens"].tolist() == [2, 1] and batch["lengths"].tolist() == [5, 3]
+
+
+def test_regeneration_says_why_a_prompt_got_no_reference(tiny_target, tokenizer, tmp_path, caplog, capsys):
+    """`--regenerate ... --num-prompts 2` producing 1 reference says why (here: a prompt over 384 tokens)."""
+    from hf_treespark.training import cli as train_cli
+
+    source = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "What is 2+2?"},
+                                                      {"prompt": "Summarise: " + "lorem ipsum dolor sit amet " * 90}])
+    args = types.SimpleNamespace(regenerate=f"{source}:1", num_prompts=2, seed=0, regen_batch_size=2,
+                                 regen_max_new_tokens=MAX_NEW)
+    accelerator = types.SimpleNamespace(is_main_process=True, device=torch.device("cpu"),
+                                        wait_for_everyone=lambda: None)
+    with caplog.at_level(logging.WARNING):
+        out = train_cli.regenerate(args, tiny_target, tokenizer, accelerator, tmp_path)
+    assert len(read_records(out)) == 1
+    assert "skipping 1 of 2 prompts: longer than max_prompt_tokens=384 tokens" in caplog.text
+    assert (f"[regenerate] 1 of 2 prompts answered in {out} (the warnings above say why the others are missing)"
+            in capsys.readouterr().out)
+
+
+def test_load_references_says_how_many_sequences_it_dropped_and_why(tmp_path, caplog):
+    path = write_jsonl(tmp_path / "refs.jsonl", [{"prompt_ids": [1, 2], "response_ids": [10, 11, 12]},
+                                                 {"prompt_ids": [1, 2], "response_ids": [2]},
+                                                 {"prompt_ids": list(range(9)), "response_ids": [10, 11]}])
+    with caplog.at_level(logging.WARNING):
+        assert len(load_references(path, max_length=8)) == 1
+    assert "refs.jsonl: 2 sequence(s) dropped: fewer than 2 response tokens within max_length=8" in caplog.text

@@ -416,7 +416,11 @@ def regenerate_responses(target, tokenizer, prompts: Iterable[Prompt], out_path:
             continue
         pending.append((prompt, ids))
     if skipped:
-        logger.info("skipping %d prompts longer than %d tokens", skipped, max_prompt_tokens)
+        logger.warning("%s: skipping %d of %d prompts: longer than max_prompt_tokens=%d tokens after the chat "
+                       "template", out_path, skipped, len(seen), max_prompt_tokens)
+    if done & seen:
+        logger.info("%s: %d of %d prompts already answered in this file (resumed)", out_path, len(done & seen),
+                       len(seen))
     pending.sort(key=lambda item: len(item[1]))  # stable: equal lengths keep input order
 
     sampling = {"do_sample": True, "temperature": temperature} if do_sample else {"do_sample": False}
@@ -464,36 +468,59 @@ class ReferenceSequence:
     prompt_len: int
 
 
-def _int_list(record: dict, key: str) -> list[int]:
+def _int_list(record: dict, key: str, vocab_size: int | None = None) -> list[int]:
     value = record.get(key)
     if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         raise ValueError(f"{key!r} must be a list of token ids")
+    if value and (min(value) < 0 or (vocab_size is not None and max(value) >= vocab_size)):
+        bad = next(t for t in value if t < 0 or (vocab_size is not None and t >= vocab_size))
+        limit = f"the target's vocabulary (0..{vocab_size - 1})" if vocab_size is not None else "0 or more"
+        raise ValueError(f"{key!r} holds token id {bad}, outside {limit}: was this file made with another "
+                         "tokenizer?")
     return value
 
 
+def check_token_ids(references: list[ReferenceSequence], vocab_size: int) -> None:
+    """Raise `ValueError` naming the first sequence with a token id outside `0..vocab_size - 1`."""
+    for ref in references:
+        if ref.input_ids and (min(ref.input_ids) < 0 or max(ref.input_ids) >= vocab_size):
+            bad = next(t for t in ref.input_ids if not 0 <= t < vocab_size)
+            raise ValueError(f"reference sequence {ref.id!r} holds token id {bad}, outside the target's vocabulary "
+                             f"(0..{vocab_size - 1}): was it made with another tokenizer?")
+
+
 def load_references(paths: list[str | Path] | str | Path, max_length: int = 1024,
-                    limit: int | None = None) -> list[ReferenceSequence]:
+                    limit: int | None = None, vocab_size: int | None = None) -> list[ReferenceSequence]:
     """Reference sequences from regeneration JSONL files: `prompt_ids + response_ids`, cut to `max_length`.
 
-    A sequence whose response keeps fewer than 2 tokens after the cut is dropped (nothing to anchor on).
-    Raises `ValueError` naming the file and line of a line that is not valid JSON with integer-list
-    `prompt_ids` and `response_ids`.
+    A sequence whose response keeps fewer than 2 tokens after the cut is dropped (nothing to anchor on); a
+    warning says how many each file lost and why. Raises `ValueError` naming the file and line of a line that is
+    not valid JSON with integer-list `prompt_ids` and `response_ids`, or (given `vocab_size`, the target's) that
+    holds a token id outside the vocabulary.
     """
     if isinstance(paths, (str, Path)):
         paths = [paths]
     sequences: list[ReferenceSequence] = []
-    token_lists = lambda record: (_int_list(record, "prompt_ids"), _int_list(record, "response_ids"))  # noqa: E731
+    token_lists = lambda record: (_int_list(record, "prompt_ids", vocab_size),  # noqa: E731
+                                  _int_list(record, "response_ids", vocab_size))
     if limit is not None and limit <= 0:
         return sequences
     for path in map(Path, paths):
+        dropped = 0
         for line_no, (record, (prompt_ids, response_ids)) in _json_records(path, token_lists):
             input_ids = (prompt_ids + response_ids)[:max_length]
             if len(input_ids) - len(prompt_ids) < 2:
+                dropped += 1
                 continue
             rid = str(record.get("id", f"{path.stem}:{line_no}"))
             sequences.append(ReferenceSequence(id=rid, input_ids=input_ids, prompt_len=len(prompt_ids)))
             if limit is not None and len(sequences) >= limit:
-                return sequences
+                break
+        if dropped:
+            logger.warning("%s: %d sequence(s) dropped: fewer than 2 response tokens within max_length=%d (an "
+                           "empty or 1-token response, or a prompt that fills max_length)", path, dropped, max_length)
+        if limit is not None and len(sequences) >= limit:
+            break
     return sequences
 
 

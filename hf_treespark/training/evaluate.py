@@ -93,3 +93,45 @@ def reference_acceptance(target, drafter, references: list[ReferenceSequence], p
         raise ValueError("no development reference is long enough to anchor a tree on")
     return {"acceptance_length": 1 + accepted_total / count, "depth_rates": (reach / count).tolist(),
             "anchors": count}
+
+
+def read_curve(metrics_path: str | Path) -> list[dict]:
+    """The development-set evaluations logged in a run's `metrics.jsonl` (lines with `dev_acceptance_length`)."""
+    import json
+
+    rows = []
+    for line in Path(metrics_path).read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by a crash
+        if isinstance(record, dict) and "dev_acceptance_length" in record:
+            rows.append(record)
+    return rows
+
+
+def plot_learning_curve(metrics_path: str | Path, out_png: str | Path) -> Path:
+    """Acceptance length and depth-1 acceptance on the development set against training anchors seen."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_curve(metrics_path)
+    if not rows:
+        raise ValueError(f"{metrics_path} has no development-set evaluation yet (train with --eval-every)")
+    anchors = [r["anchors_seen"] for r in rows]
+    fig, left = plt.subplots(figsize=(7, 4))
+    left.plot(anchors, [r["dev_acceptance_length"] for r in rows], "o-", color="#1f77b4", label="acceptance length")
+    left.set_xlabel("training anchors seen")
+    left.set_ylabel("acceptance length (dev set)")
+    right = left.twinx()
+    right.plot(anchors, [100 * r["dev_depth_rates"][0] for r in rows], "s--", color="#d62728", label="depth-1 %")
+    right.set_ylabel("depth-1 acceptance (%)")
+    fig.legend(loc="lower right")
+    fig.tight_layout()
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return out_png

@@ -9,22 +9,28 @@ denominators are summed over ranks before dividing.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import math
+import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from ..engine import feature_indices, select_features
 from ..tree import TreePolicy
-from .data import collate_references
+from .data import check_token_ids, collate_references
 from .losses import normalise
 from .objective import LOSS_NAMES, LossConfig, TrainingObjective
+
+logger = logging.getLogger(__name__)
 
 # Preset -> (loss coefficients, drafter config fields). One switch each (SPEC section 4).
 PRESETS: dict[str, tuple[dict, dict]] = {
@@ -74,8 +80,11 @@ class TrainConfig:
         for name in ("batch_size", "grad_accum", "anchors_per_sequence", "save_every", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1 (got {getattr(self, name)})")
-        if self.epochs <= 0 and not self.max_steps:
-            raise ValueError("set epochs > 0 or max_steps")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps must be at least 1 (got {self.max_steps}); leave it unset (None) to train "
+                             "for `epochs` epochs")
+        if self.max_steps is None and not self.epochs > 0:
+            raise ValueError(f"epochs must be positive when max_steps is unset (got {self.epochs})")
 
 
 def replay_policy(config) -> TreePolicy:
@@ -115,12 +124,51 @@ def target_features(target, layer_ids: list[int], input_ids: torch.Tensor, atten
     return select_features(out.hidden_states, feature_indices(layer_ids)), out.hidden_states[-1]
 
 
-class FeatureCache:
-    """Target features per reference sequence on disk (`<id>.safetensors`, bf16), written once, read each epoch."""
+def _sequence_digest(input_ids: list[int]) -> str:
+    """A short fingerprint of a sequence's token ids (the cache's key is only the sequence id)."""
+    return hashlib.sha1(json.dumps(input_ids).encode()).hexdigest()[:16]
 
-    def __init__(self, directory: str | Path):
+
+def cache_signature(target, layer_ids: list[int]) -> dict[str, str]:
+    """What every cached file of one run shares: the target's shape, the feature layers and the stored dtype.
+
+    Written into each file's safetensors metadata next to the sequence's own length and token fingerprint, so a
+    cache directory shared by runs with other settings is caught instead of read as if it fitted.
+    """
+    cfg = target.config
+    shape = f"{cfg.model_type} layers={cfg.num_hidden_layers} hidden={cfg.hidden_size} vocab={cfg.vocab_size}"
+    return {"target": shape, "target_layer_ids": ",".join(str(i) for i in layer_ids), "dtype": "bfloat16"}
+
+
+# What a differing metadata field means for the user, and which setting to look at.
+_CACHE_FIELD_HINTS = {
+    "num_tokens": "sequence length in tokens (another --max-length or other --data)",
+    "token_ids": "token ids (other --data under the same sequence ids, or another --max-length)",
+    "target": "target model",
+    "target_layer_ids": "target layers (the drafter's target_layer_ids)",
+    "dtype": "stored dtype",
+}
+
+
+class FeatureCacheMismatch(ValueError):
+    """A cached file was written for other settings than this run's (sequence length, data, target, layers)."""
+
+
+class FeatureCache:
+    """Target features per reference sequence on disk (`<id>.safetensors`, bf16), written once, read each epoch.
+
+    Each file records in its metadata what it holds (`num_tokens`, a `token_ids` fingerprint, and the run-wide
+    `signature`: target shape, target layers, dtype). `status` compares that with what a run needs; a file
+    written for other settings raises `FeatureCacheMismatch` naming the directory and the setting that differs.
+    """
+
+    def __init__(self, directory: str | Path, signature: dict[str, str] | None = None):
         self.directory = Path(directory)
+        if self.directory.exists() and not self.directory.is_dir():
+            raise NotADirectoryError(f"feature cache {self.directory} is a file, not a directory: give --feature-cache "
+                                     "a directory")
         self.directory.mkdir(parents=True, exist_ok=True)
+        self.signature = dict(signature or {})
 
     def path(self, seq_id: str) -> Path:
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in seq_id)
@@ -129,21 +177,70 @@ class FeatureCache:
     def has(self, seq_id: str) -> bool:
         return self.path(seq_id).is_file()
 
-    def put(self, seq_id: str, features: torch.Tensor, reference_hidden: torch.Tensor) -> None:
-        tmp = self.path(seq_id).with_suffix(".tmp")
+    def metadata(self, ref) -> dict[str, str]:
+        """The metadata a file for reference `ref` must carry under this cache's signature."""
+        return {**self.signature, "num_tokens": str(len(ref.input_ids)), "token_ids": _sequence_digest(ref.input_ids)}
+
+    def status(self, ref) -> str:
+        """`"ok"`, `"missing"` or `"damaged"` (unreadable: recompute it) for reference `ref`'s file.
+
+        Raises `FeatureCacheMismatch` when the file is readable but was written for other settings. Files from
+        before metadata was recorded are checked by their row count only.
+        """
+        path = self.path(ref.id)
+        if not path.is_file():
+            return "missing"
+        try:
+            with safe_open(str(path), "pt") as f:
+                stored = f.metadata() or {}
+                rows = f.get_slice("features").get_shape()[0]
+        except Exception:  # safetensors raises its own error type for a cut-off or garbled file
+            return "damaged"
+        if not stored:
+            stored = {"num_tokens": str(rows)}
+        wanted = self.metadata(ref)
+        for key in wanted:  # a fixed order: the run-wide settings first, then the sequence's length
+            value = stored.get(key, wanted[key])
+            if value != wanted[key]:
+                raise FeatureCacheMismatch(
+                    f"feature cache {self.directory} was filled with other settings: {path.name} holds "
+                    f"{_CACHE_FIELD_HINTS.get(key, key)} {value!r}, this run needs {wanted[key]!r}. Give this run "
+                    "its own --feature-cache directory (one per --max-length, data and target), or delete "
+                    f"{self.directory} to recompute it.")
+        return "ok"
+
+    def put(self, ref, features: torch.Tensor, reference_hidden: torch.Tensor) -> None:
+        """Store `features` `[T, n_layers * d]` and `reference_hidden` `[T, d]` of `ref` (atomically: tmp + rename)."""
+        tmp = self.path(ref.id).with_suffix(".tmp")
         save_file({"features": features.to(torch.bfloat16).contiguous(),
-                   "reference_hidden": reference_hidden.to(torch.bfloat16).contiguous()}, str(tmp))
-        tmp.rename(self.path(seq_id))
+                   "reference_hidden": reference_hidden.to(torch.bfloat16).contiguous()}, str(tmp),
+                  metadata=self.metadata(ref))
+        tmp.replace(self.path(ref.id))
 
     def get(self, seq_id: str) -> tuple[torch.Tensor, torch.Tensor]:
-        data = load_file(str(self.path(seq_id)))
+        path = self.path(seq_id)
+        try:
+            data = load_file(str(path))
+        except Exception as err:
+            raise RuntimeError(f"feature cache file {path} cannot be read ({err}): delete it and start the run "
+                               "again; it is recomputed and training resumes from the last checkpoint") from err
         return data["features"].float(), data["reference_hidden"].float()
 
 
 def fill_feature_cache(cache: FeatureCache, target, layer_ids, references, batch_size: int = 8,
                        progress: bool = True) -> None:
-    """Compute and store target features for every reference not yet cached (resumable)."""
-    todo = [r for r in references if not cache.has(r.id)]
+    """Compute and store target features for every reference not yet cached (resumable).
+
+    Unreadable files (a crash or a full disk mid-write) are recomputed with a warning naming them; files written
+    for other settings raise `FeatureCacheMismatch` before any training step.
+    """
+    todo = []
+    for ref in references:
+        status = cache.status(ref)
+        if status == "damaged":
+            logger.warning("feature cache file %s is damaged (unreadable); recomputing it", cache.path(ref.id))
+        if status != "ok":
+            todo.append(ref)
     device = next(target.parameters()).device
     for start in tqdm(range(0, len(todo), batch_size), desc="caching target features", disable=not progress):
         chunk = todo[start : start + batch_size]
@@ -152,7 +249,7 @@ def fill_feature_cache(cache: FeatureCache, target, layer_ids, references, batch
                                         batch["attention_mask"].to(device))
         for row, ref in enumerate(chunk):
             n = len(ref.input_ids)
-            cache.put(ref.id, feats[row, :n].cpu(), hidden[row, :n].cpu())
+            cache.put(ref, feats[row, :n].cpu(), hidden[row, :n].cpu())
 
 
 def cosine_schedule(optimizer, warmup_steps: int, total_steps: int, min_ratio: float):
@@ -186,22 +283,41 @@ def _collate(batch, pad_id: int = 0) -> dict:
     return collated
 
 
+def build_accelerator(config: TrainConfig):
+    """The run's `Accelerator`: gradient accumulation, mixed precision and tracker from `config`.
+
+    Build it before anything else touches accelerate's process state (a bare `PartialState()` first would fix
+    the state without `ACCELERATE_USE_CPU`, and torchrun's CPU processes would then each train alone). Under
+    torchrun on a machine without an accelerator device it asks for CPU processes itself, so
+    `torchrun --nproc_per_node 2 ...` trains one run on a CPU machine with or without `ACCELERATE_USE_CPU=true`.
+    """
+    from accelerate import Accelerator
+
+    mixed = config.mixed_precision
+    if mixed == "auto":
+        mixed = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+    return Accelerator(gradient_accumulation_steps=config.grad_accum, mixed_precision=mixed,
+                       log_with="tensorboard" if config.tensorboard else None, project_dir=config.output_dir,
+                       cpu=_cpu_processes_under_torchrun())
+
+
+def _cpu_processes_under_torchrun() -> bool:
+    """True when torchrun started several processes (`WORLD_SIZE` > 1) on a machine without an accelerator."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    device_api = getattr(torch, "accelerator", None)
+    return not (device_api.is_available() if device_api is not None else torch.cuda.is_available())
+
+
 class Trainer:
     """Trains `drafter` against the frozen `target` on reference sequences."""
 
     def __init__(self, config: TrainConfig, target, drafter, references, accelerator=None):
-        from accelerate import Accelerator
-
         self.config = config
-        mixed = config.mixed_precision
-        if mixed == "auto":
-            mixed = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
-        self.accelerator = accelerator or Accelerator(
-            gradient_accumulation_steps=config.grad_accum, mixed_precision=mixed,
-            log_with="tensorboard" if config.tensorboard else None, project_dir=config.output_dir,
-        )
+        self.accelerator = accelerator or build_accelerator(config)
         if not references:
             raise ValueError("no reference sequences to train on")
+        check_token_ids(references, target.config.vocab_size)
         self.references = references
         self.output_dir = Path(config.output_dir)
         self.target = target.eval().requires_grad_(False).to(self.accelerator.device)
@@ -221,7 +337,10 @@ class Trainer:
         # (accelerate would step it once per process) and step it with the optimizer ourselves.
         self.objective, self.optimizer = self.accelerator.prepare(self.objective, self.optimizer)
         self.accelerator.register_for_checkpointing(self.scheduler)
-        self.feature_cache = FeatureCache(config.feature_cache) if config.feature_cache else None
+        self.feature_cache = None
+        if config.feature_cache:
+            signature = cache_signature(self.target, drafter.config.target_layer_ids)
+            self.feature_cache = FeatureCache(config.feature_cache, signature)
         self.step = 0  # optimizer steps done
         self.pad_id = 0
 
@@ -231,7 +350,11 @@ class Trainer:
         return self.output_dir / "checkpoints"
 
     def save_checkpoint(self) -> Path:
-        """Model, optimiser, scheduler, RNG states and data position, written atomically."""
+        """Model, optimiser, scheduler, RNG states and data position, written atomically.
+
+        Everything goes into `.tmp-step-N` first, `trainer_state.json` last; one rename publishes it. A crash at
+        any point leaves the previous `step-*` checkpoints untouched, and `latest_checkpoint` ignores the rest.
+        """
         acc = self.accelerator
         final = self.checkpoint_dir / f"step-{self.step:08d}"
         tmp = self.checkpoint_dir / f".tmp-step-{self.step:08d}"
@@ -240,7 +363,10 @@ class Trainer:
         acc.wait_for_everyone()
         acc.save_state(str(tmp))
         if acc.is_main_process:
-            (tmp / "trainer_state.json").write_text(json.dumps({"step": self.step, "config": _jsonable(self.config)}))
+            state = {"step": self.step, "config": _jsonable(self.config), "drafter_config": self._drafter_fields()}
+            (tmp / "trainer_state.json").write_text(json.dumps(state))
+            if final.exists():  # the same step written by an earlier run of this output dir
+                shutil.rmtree(final)
             tmp.rename(final)
             for old in sorted(self.checkpoint_dir.glob("step-*"))[: -self.config.keep_checkpoints]:
                 shutil.rmtree(old, ignore_errors=True)
@@ -251,17 +377,56 @@ class Trainer:
         done = sorted(p for p in self.checkpoint_dir.glob("step-*") if (p / "trainer_state.json").is_file())
         return done[-1] if done else None
 
+    def _drafter_fields(self) -> dict:
+        """The drafter config fields a checkpoint's weights depend on (architecture and tree policy)."""
+        from transformers import PretrainedConfig
+
+        generic = set(PretrainedConfig().to_dict())
+        fields = {k: v for k, v in self.drafter.config.to_dict().items()
+                  if k not in generic and k not in _RESUME_IGNORED_FIELDS}
+        return json.loads(json.dumps(fields, default=str))
+
+    def _resume_conflicts(self, state: dict) -> list[str]:
+        """How the run saved in `state` (a `trainer_state.json`) differs from this one; empty if it may resume."""
+        conflicts = []
+        saved_preset = state.get("config", {}).get("preset")
+        if saved_preset is not None and saved_preset != self.config.preset:
+            conflicts.append(f"preset {saved_preset!r} there, {self.config.preset!r} here")
+        saved, now = state.get("drafter_config") or {}, self._drafter_fields()
+        for key in sorted(set(saved) & set(now)):
+            if saved[key] != now[key]:
+                conflicts.append(f"drafter {key} {saved[key]!r} there, {now[key]!r} here")
+        return conflicts
+
     def resume(self) -> bool:
-        """Load the latest complete checkpoint, if any. A damaged checkpoint is refused with its path."""
+        """Load the latest complete checkpoint, if any.
+
+        A checkpoint of another configuration (preset, drafter architecture) is refused before loading, naming
+        what differs; one that cannot be loaded is refused with its path.
+        """
         path = self.latest_checkpoint()
         if path is None:
             return False
         try:
-            self.accelerator.load_state(str(path))
             state = json.loads((path / "trainer_state.json").read_text())
+        except (OSError, ValueError) as err:
+            raise RuntimeError(f"checkpoint {path} cannot be read ({err}). If it is damaged (an interrupted write, "
+                               f"a full disk), move it out of {self.checkpoint_dir} and start again: training "
+                               "resumes from the checkpoint before it.") from err
+        conflicts = self._resume_conflicts(state)
+        if conflicts:
+            saved_preset = state.get("config", {}).get("preset")
+            own = f" (preset {saved_preset!r})" if saved_preset else ""
+            raise ValueError(f"{self.output_dir} holds a training run with other settings (checkpoint {path.name}: "
+                             f"{'; '.join(conflicts)}). That checkpoint is intact. To train these settings, use "
+                             "another output directory (--output-dir); to resume that run, start it again with its "
+                             f"own settings{own}.")
+        try:
+            self.accelerator.load_state(str(path))
         except Exception as err:
-            raise RuntimeError(f"checkpoint {path} is damaged ({err}); delete it to resume from an earlier "
-                               "one") from err
+            raise RuntimeError(f"checkpoint {path} cannot be loaded ({err}). If it is damaged (an interrupted write, "
+                               f"a full disk), move it out of {self.checkpoint_dir} and start again: training "
+                               "resumes from the checkpoint before it.") from err
         self.step = int(state["step"])
         return True
 
@@ -371,8 +536,13 @@ class Trainer:
         return self.accelerator.unwrap_model(self.objective).drafter
 
 
+# Drafter config fields that may change between a checkpoint and its resumption.
+_RESUME_IGNORED_FIELDS = {"acceptance_profile", "target_name_or_path", "transformers_version", "initializer_range"}
+
+
 def _jsonable(config) -> dict:
     return json.loads(json.dumps(asdict(config), default=str))
 
 
-__all__ = ["LOSS_NAMES", "PRESETS", "FeatureCache", "TrainConfig", "Trainer", "sample_anchors", "target_features"]
+__all__ = ["LOSS_NAMES", "PRESETS", "FeatureCache", "FeatureCacheMismatch", "TrainConfig", "Trainer",
+           "build_accelerator", "cache_signature", "sample_anchors", "target_features"]

@@ -1,0 +1,22 @@
+"""How the `treespark` commands format `--help`: every option with its default."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """`--help` shows each option's default, options without help text included (None and False left out)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.default is False or "%(default)" in (action.help or ""):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+    def _format_action(self, action: argparse.Action) -> str:
+        shown = action.default is not None and action.default is not False and action.default != argparse.SUPPRESS
+        if not action.help and action.option_strings and shown:
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)

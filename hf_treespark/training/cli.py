@@ -1,0 +1,217 @@
+"""Train a TreeSpark drafter from the command line: `treespark train` and `examples/train_drafter.py`.
+
+    # offline default target, the shared regenerated ShareGPT responses, TreeSpark losses
+    treespark train --target default --data ../shared/data/sharegpt_smollm2_regen.jsonl \\
+        --preset treespark --output-dir runs/treespark
+
+    # regenerate reference responses with the target first (resumable), from a prompt mixture
+    treespark train --target default --regenerate "sharegpt:0.7,my_code.jsonl:0.3" \\
+        --num-prompts 2000 --output-dir runs/treespark
+
+    # several GPUs or machines
+    accelerate launch examples/train_drafter.py --target Qwen/Qwen3-4B --data refs.jsonl --output-dir runs/q4b
+
+    # several CPU processes (one training run, the batch split over them)
+    ACCELERATE_USE_CPU=true torchrun --nproc_per_node 2 examples/train_drafter.py --data refs.jsonl ...
+
+Presets (one switch each): dspark, dspark_tree, treespark, no_survival, no_coverage, treespark_hd128.
+An interrupted run resumes from its last checkpoint when started again with the same --output-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .trainer import PRESETS
+
+DEFAULT_MASK_TOKEN_ID = 16  # SmolLM2: a code-corpus marker chat text never produces (SPEC section 6)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The training options, shared by `treespark train` and `examples/train_drafter.py`."""
+    p.add_argument("--target", default="default", help="'default' (offline SmolLM2-135M-Instruct) or a name/path")
+    p.add_argument("--data", nargs="*", default=[], help="reference JSONL files (prompt_ids, response_ids)")
+    p.add_argument("--regenerate", help="prompt mixture to regenerate responses for, e.g. 'sharegpt:1.0'")
+    p.add_argument("--num-prompts", type=int, default=1000, help="prompts to regenerate responses for")
+    p.add_argument("--regen-batch-size", type=int, default=32, help="prompts per regeneration batch")
+    p.add_argument("--regen-max-new-tokens", type=int, default=256, help="length cap of a regenerated response")
+    p.add_argument("--output-dir", required=True, help="checkpoints, metrics, feature cache and final/ drafter")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="treespark", help="losses and drafter shape")
+    p.add_argument("--init-from", help="start from this drafter instead of a fresh one")
+    p.add_argument("--draft-layers", type=int, default=2, help="drafter transformer layers")
+    p.add_argument("--heads", type=int, default=4, help="drafter attention heads")
+    p.add_argument("--kv-heads", type=int, default=2, help="drafter key/value heads")
+    p.add_argument("--head-dim", type=int, help="override the preset's head dim")
+    p.add_argument("--intermediate-size", type=int, default=1536, help="drafter MLP width")
+    p.add_argument("--markov-rank", type=int, default=256, help="rank r of the Markov head")
+    p.add_argument("--mask-token-id", type=int, help=f"spare token id for mask slots (default: "
+                   f"{DEFAULT_MASK_TOKEN_ID} for --target default, else a learned mask embedding)")
+    p.add_argument("--max-length", type=int, default=512, help="tokens per reference sequence (longer are cut)")
+    p.add_argument("--max-sequences", type=int, help="use at most this many reference sequences")
+    p.add_argument("--epochs", type=float, default=1.0, help="passes over the data (unless --max-steps)")
+    p.add_argument("--max-steps", type=int, help="optimizer steps to train (default: --epochs epochs)")
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per process per micro-step")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
+    p.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (AdamW, cosine schedule)")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    p.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon")
+    p.add_argument("--anchors", type=int, default=64, help="anchors per sequence")
+    p.add_argument("--save-every", type=int, default=50, help="optimizer steps between checkpoints")
+    p.add_argument("--feature-cache", help="directory for cached target features (default: OUTPUT_DIR/feature_cache;"
+                   " measured faster than a target forward per step on a 2-core CPU); one per --max-length, data"
+                   " and target")
+    p.add_argument("--no-feature-cache", action="store_true", help="recompute target features every step")
+    p.add_argument("--tensorboard", action="store_true", help="log metrics to OUTPUT_DIR for TensorBoard")
+    p.add_argument("--seed", type=int, default=0, help="drafter initialisation, data order and anchors")
+    p.add_argument("--loss", type=json.loads, default={}, help='loss overrides, e.g. \'{"surv": 1.0}\'')
+    p.add_argument("--push-to-hub", help="repository id to push the trained drafter to")
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Refuse option values that would train nothing or something other than asked, before loading anything."""
+    at_least_one = ("num_prompts", "regen_batch_size", "regen_max_new_tokens", "draft_layers", "heads", "kv_heads",
+                    "intermediate_size", "markov_rank", "max_length", "batch_size", "grad_accum", "anchors",
+                    "save_every")
+    for name in at_least_one:
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)})")
+    if args.max_steps is not None and args.max_steps < 1:
+        raise ValueError(f"--max-steps must be at least 1 (got {args.max_steps}); leave it out to train for "
+                         "--epochs epochs")
+    for name in ("head_dim", "max_sequences"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1 (got {value})")
+    if not args.epochs > 0:
+        raise ValueError(f"--epochs must be positive (got {args.epochs})")
+    if not args.lr > 0:
+        raise ValueError(f"--lr must be positive (got {args.lr})")
+    if not args.data and not args.regenerate:
+        raise ValueError("give --data files or --regenerate a prompt mixture")
+    for path in args.data:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"--data {path}: no such file")
+    if Path(args.output_dir).exists() and not Path(args.output_dir).is_dir():
+        raise NotADirectoryError(f"--output-dir {args.output_dir} is a file: give a directory")
+    if args.feature_cache and Path(args.feature_cache).exists() and not Path(args.feature_cache).is_dir():
+        raise NotADirectoryError(f"--feature-cache {args.feature_cache} is a file: give a directory")
+
+
+def load_target(name: str, with_tokenizer: bool):
+    """`(target, tokenizer or None)`: the offline default target, or a causal LM by name or path (sdpa)."""
+    from .. import assets
+
+    if name == "default":
+        return assets.load_default_target()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = AutoModelForCausalLM.from_pretrained(name, attn_implementation="sdpa")
+    return target, (AutoTokenizer.from_pretrained(name) if with_tokenizer else None)
+
+
+def build_drafter(args: argparse.Namespace, target):
+    """The drafter to train: `--init-from`, or a fresh one shaped by the options and the preset."""
+    import torch
+
+    from .. import assets
+    from ..configuration import TreeSparkConfig
+    from ..modeling import TreeSparkDrafter
+
+    if args.init_from:
+        return TreeSparkDrafter.from_pretrained(args.init_from)
+    mask = args.mask_token_id
+    if mask is None and args.target == "default":
+        mask = DEFAULT_MASK_TOKEN_ID
+    fields = dict(num_hidden_layers=args.draft_layers, num_attention_heads=args.heads,
+                  num_key_value_heads=args.kv_heads, intermediate_size=args.intermediate_size,
+                  markov_rank=args.markov_rank, mask_token_id=mask)
+    fields.update(PRESETS[args.preset][1])
+    if args.head_dim:
+        fields["head_dim"] = args.head_dim
+    if args.target == "default":
+        fields["target_name_or_path"] = assets.DEFAULT_TARGET_NAME
+    torch.manual_seed(args.seed)
+    return TreeSparkDrafter(TreeSparkConfig.for_target(target, **fields))
+
+
+def _answered(path: Path, ids: set[str]) -> int:
+    """How many of `ids` have a line in the regeneration file `path`."""
+    with open(path, encoding="utf-8") as f:
+        return sum(1 for line in f if line.strip() and str(json.loads(line)["id"]) in ids)
+
+
+def regenerate(args: argparse.Namespace, target, tokenizer, accelerator, out: Path) -> Path:
+    """Regenerate reference responses on the main process (the others wait); say how many prompts got one."""
+    from .data import mix_prompts, parse_mixture, regenerate_responses
+
+    regen = out / "references.jsonl"
+    if accelerator.is_main_process:
+        prompts = mix_prompts(parse_mixture(args.regenerate), args.num_prompts, seed=args.seed)
+        regenerate_responses(target.to(accelerator.device), tokenizer, prompts, regen,
+                             batch_size=args.regen_batch_size, max_new_tokens=args.regen_max_new_tokens)
+        answered = _answered(regen, {p.id for p in prompts})
+        note = "" if answered == len(prompts) else " (the warnings above say why the others are missing)"
+        print(f"[regenerate] {answered} of {len(prompts)} prompts answered in {regen}{note}")
+    accelerator.wait_for_everyone()
+    return regen
+
+
+def run(args: argparse.Namespace) -> int:
+    """Train as the options say; save the drafter to OUTPUT_DIR/final (and push it if asked)."""
+    from .data import load_references
+    from .objective import LossConfig
+    from .trainer import TrainConfig, Trainer, build_accelerator
+
+    check_arguments(args)
+    out = Path(args.output_dir)
+    cache = None if args.no_feature_cache else (args.feature_cache or str(out / "feature_cache"))
+    config = TrainConfig(output_dir=str(out), preset=args.preset, epochs=args.epochs, max_steps=args.max_steps,
+                         batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
+                         weight_decay=args.weight_decay, adam_eps=args.adam_eps,
+                         anchors_per_sequence=args.anchors, save_every=args.save_every, seed=args.seed,
+                         feature_cache=cache, tensorboard=args.tensorboard, loss=LossConfig(**args.loss))
+    # First, before anything else touches accelerate's state: under torchrun this joins the process group.
+    accelerator = build_accelerator(config)
+    target, tokenizer = load_target(args.target, with_tokenizer=bool(args.regenerate))
+    data = [Path(p) for p in args.data]
+    if args.regenerate:
+        data.append(regenerate(args, target, tokenizer, accelerator, out))
+    references = load_references(data, max_length=args.max_length, limit=args.max_sequences,
+                                 vocab_size=target.config.vocab_size)
+    if not references:
+        raise ValueError(f"no usable reference sequences in {', '.join(map(str, data))} (see the warnings above)")
+    drafter = build_drafter(args, target)
+    trainer = Trainer(config, target, drafter, references, accelerator=accelerator)
+    result = trainer.train()
+    if accelerator.is_main_process:
+        from ..hub import push_drafter_to_hub, save_drafter
+
+        drafter = trainer.unwrapped_drafter()
+        save_drafter(drafter, out / "final")
+        if result["steps"] == 0:
+            print(f"nothing left to train: the run in {out} is at step {trainer.step} of {trainer.total_steps}; "
+                  f"drafter saved to {out / 'final'}")
+        else:
+            print(f"trained {result['steps']} steps (to step {trainer.step} of {trainer.total_steps}) in "
+                  f"{result['seconds']:.0f} s on {accelerator.num_processes} process(es); drafter saved to "
+                  f"{out / 'final'}")
+        if args.push_to_hub:
+            push_drafter_to_hub(drafter, args.push_to_hub)
+    return 0
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """`examples/train_drafter.py`: parse, train, and turn bad input into one `prog: error: ...` line."""
+    from ..help_format import DefaultsHelpFormatter
+
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=DefaultsHelpFormatter)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except (OSError, ValueError, RuntimeError) as err:
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        return 2

@@ -1,0 +1,182 @@
+"""`treespark train` / `examples/train_drafter.py` on a tiny target: bad options, shared feature caches, reruns."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_target
+from training_setup import tiny_references
+
+from hf_treespark import cli
+from hf_treespark.training import cli as train_cli
+from hf_treespark.training.data import load_references
+from hf_treespark.training.trainer import FeatureCache
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "train_drafter.py"
+# A drafter small enough for a few steps in seconds, built by the CLI itself.
+TINY = ["--draft-layers", "1", "--heads", "2", "--kv-heads", "1", "--head-dim", "32", "--intermediate-size", "64",
+        "--markov-rank", "16", "--mask-token-id", "3", "--anchors", "8", "--lr", "2e-3"]
+
+
+@pytest.fixture(scope="module")
+def tiny_files(tmp_path_factory):
+    """`(target directory, references JSONL)`: a saved tiny random Llama and 8 of its greedy continuations."""
+    root = tmp_path_factory.mktemp("tiny")
+    target = make_target("llama")
+    target.save_pretrained(root / "target")
+    lines = [json.dumps({"id": r.id, "prompt_ids": r.input_ids[: r.prompt_len],
+                         "response_ids": r.input_ids[r.prompt_len:]}) for r in tiny_references(target)]
+    (root / "refs.jsonl").write_text("\n".join(lines) + "\n")
+    return root / "target", root / "refs.jsonl"
+
+
+def train(tiny_files, out: Path, *extra: str) -> int:
+    target, refs = tiny_files
+    return train_cli.main(["--target", str(target), "--data", str(refs), "--output-dir", str(out), *TINY, *extra])
+
+
+@pytest.mark.parametrize("steps", ["-1", "0"])
+def test_max_steps_below_one_is_refused_before_any_work(tiny_files, tmp_path, capsys, steps):
+    assert train(tiny_files, tmp_path / "run", "--max-steps", steps) == 2
+    err = capsys.readouterr().err
+    assert f"--max-steps must be at least 1 (got {steps})" in err
+    assert not (tmp_path / "run").exists()  # no drafter saved, nothing trained
+    target, refs = tiny_files
+    assert cli.main(["train", "--target", str(target), "--data", str(refs), "--output-dir", str(tmp_path / "run"),
+                     "--max-steps", steps]) == 2
+    assert "--max-steps must be at least 1" in capsys.readouterr().err
+
+
+def test_train_command_trains_and_saves_the_drafter(tiny_files, tmp_path, capsys):
+    assert cli.main(["train", "--target", str(tiny_files[0]), "--data", str(tiny_files[1]),
+                     "--output-dir", str(tmp_path), "--max-steps", "2", "--batch-size", "4", *TINY]) == 0
+    assert "trained 2 steps (to step 2 of 2)" in capsys.readouterr().out
+    assert (tmp_path / "final" / "model.safetensors").is_file()
+    assert (tmp_path / "checkpoints" / "step-00000002").is_dir()
+
+
+def test_another_preset_on_the_same_output_dir_says_what_differs(tiny_files, tmp_path, capsys):
+    assert train(tiny_files, tmp_path, "--preset", "treespark", "--max-steps", "2", "--batch-size", "4") == 0
+    checkpoint = tmp_path / "checkpoints" / "step-00000002"
+    before = {p.name: p.read_bytes() for p in checkpoint.iterdir()}
+    capsys.readouterr()
+    assert train(tiny_files, tmp_path, "--preset", "dspark", "--max-steps", "2", "--batch-size", "4") == 2
+    err = capsys.readouterr().err
+    assert "preset 'treespark' there, 'dspark' here" in err and "step-00000002" in err
+    assert "intact" in err and "--output-dir" in err and "delete" not in err
+    assert {p.name: p.read_bytes() for p in checkpoint.iterdir()} == before  # the good checkpoint is untouched
+    # the same preset resumes it
+    assert train(tiny_files, tmp_path, "--preset", "treespark", "--max-steps", "3", "--batch-size", "4") == 0
+    assert "trained 1 steps (to step 3 of 3)" in capsys.readouterr().out
+
+
+def test_a_feature_cache_filled_with_another_max_length_is_refused(tiny_files, tmp_path, capsys):
+    cache = tmp_path / "shared_cache"
+    assert train(tiny_files, tmp_path / "short", "--max-length", "20", "--feature-cache", str(cache),
+                 "--max-steps", "1") == 0
+    capsys.readouterr()
+    assert train(tiny_files, tmp_path / "long", "--max-length", "28", "--feature-cache", str(cache),
+                 "--max-steps", "1") == 2
+    err = capsys.readouterr().err
+    assert f"feature cache {cache}" in err and "sequence length in tokens" in err and "--max-length" in err
+    assert "'20'" in err and "'28'" in err
+    assert not (tmp_path / "long" / "final").exists()
+
+
+def test_a_damaged_feature_cache_file_is_recomputed_and_named(tiny_files, tmp_path, caplog):
+    cache = tmp_path / "cache"
+    assert train(tiny_files, tmp_path / "a", "--feature-cache", str(cache), "--max-steps", "1") == 0
+    damaged = cache / "seq3.safetensors"
+    intact = damaged.read_bytes()
+    damaged.write_bytes(intact[: len(intact) // 2])  # a crash or a full disk mid-write
+    store = FeatureCache(cache)
+    with pytest.raises(RuntimeError, match=r"seq3\.safetensors.*delete it"):
+        store.get("seq3")
+    with caplog.at_level(logging.WARNING):
+        assert train(tiny_files, tmp_path / "b", "--feature-cache", str(cache), "--max-steps", "1") == 0
+    assert any("seq3.safetensors is damaged" in r.getMessage() for r in caplog.records)
+    features, _ = store.get("seq3")
+    assert features.shape[0] == 29  # recomputed whole
+
+
+def test_a_token_id_outside_the_vocabulary_names_file_and_line(tiny_files, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(tiny_files[1].read_text().splitlines()[0] + "\n"
+                   + json.dumps({"id": "x", "prompt_ids": [1, 2], "response_ids": [4, 5, 99999999]}) + "\n")
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: 'response_ids' holds token id 99999999, outside the "
+                                         r"target's vocabulary \(0\.\.127\)"):
+        load_references([bad], vocab_size=128)
+    target, _ = tiny_files
+    assert train_cli.main(["--target", str(target), "--data", str(bad), "--output-dir", str(tmp_path / "run"),
+                           "--max-steps", "1", *TINY]) == 2
+    assert "bad.jsonl:2: 'response_ids' holds token id 99999999" in capsys.readouterr().err
+
+
+def test_example_under_torchrun_trains_as_one_process_with_twice_the_batch(tiny_files, tmp_path):
+    """The README's command: 2 CPU processes with batch 1 each make the update of 1 process with batch 2."""
+    torchrun = Path(sys.executable).parent / "torchrun"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    target, refs = tiny_files
+    # A large Adam epsilon makes the update linear in the gradient (see tests/ddp_worker.py).
+    common = ["--target", str(target), "--data", str(refs), *TINY, "--max-steps", "2", "--save-every", "1",
+              "--adam-eps", "1", "--lr", "0.5"]
+    subprocess.run([sys.executable, str(EXAMPLE), *common, "--output-dir", str(tmp_path / "one"),
+                    "--batch-size", "2"], check=True, env=env, timeout=300)
+    two = subprocess.run([str(torchrun), "--nproc_per_node", "2", "--master_port", "29541", str(EXAMPLE), *common,
+                          "--output-dir", str(tmp_path / "two"), "--batch-size", "1"],
+                         env=env, timeout=300, capture_output=True, text=True)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "on 2 process(es)" in two.stdout
+    from safetensors.torch import load_file
+
+    a = load_file(tmp_path / "one" / "final" / "model.safetensors")
+    b = load_file(tmp_path / "two" / "final" / "model.safetensors")
+    for key in a:
+        assert torch.allclose(a[key], b[key], atol=1e-5, rtol=1e-4), key
+    assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == ["step-00000001", "step-00000002"]
+
+
+def test_a_run_sigkilled_during_a_checkpoint_write_resumes_to_the_uninterrupted_weights(tiny_files, tmp_path):
+    """SIGKILL while a `.tmp-step-N` checkpoint is being written; the same command then finishes the run."""
+    from safetensors.torch import load_file
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    target, refs = tiny_files
+
+    def command(out: Path) -> list[str]:
+        return [sys.executable, str(EXAMPLE), "--target", str(target), "--data", str(refs), *TINY,
+                "--max-steps", "30", "--save-every", "1", "--batch-size", "1", "--output-dir", str(out)]
+
+    subprocess.run(command(tmp_path / "whole"), check=True, env=env, timeout=300, capture_output=True)
+    run = tmp_path / "killed"
+    proc = subprocess.Popen(command(run), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        # Wait until a checkpoint after the first is being written (its temporary directory exists), then kill.
+        while proc.poll() is None and not any((run / "checkpoints").glob(".tmp-step-0000000[3-9]")):
+            time.sleep(0.001)
+        proc.kill()
+    finally:
+        proc.wait(timeout=60)
+    assert proc.returncode == -9, "the run ended before it could be killed mid-checkpoint"
+    done = sorted(p.name for p in (run / "checkpoints").glob("step-*"))
+    assert done and done[-1] < "step-00000030" and not (run / "final").exists()
+
+    again = subprocess.run(command(run), env=env, timeout=300, capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr[-3000:]
+    resumed_from = int(done[-1].split("-")[1])
+    assert f"trained {30 - resumed_from} steps (to step 30 of 30)" in again.stdout
+    a = load_file(tmp_path / "whole" / "final" / "model.safetensors")
+    b = load_file(run / "final" / "model.safetensors")
+    for key in a:
+        assert torch.allclose(a[key], b[key], atol=1e-6, rtol=0), key
