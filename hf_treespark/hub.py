@@ -41,6 +41,21 @@ class DSparkConversionError(ValueError):
 
 
 # ----- model card ---------------------------------------------------------------------------------
+LICENSE = "apache-2.0"  # the package's license, which the drafter code in the repository is under
+PIPELINE_TAG = "text-generation"  # what the drafter is used for: the target's text generation
+
+
+def hub_target_id(name: str | None) -> str | None:
+    """The Hub id of a recorded target name: the offline default target's local name or cached copy maps
+    to `HuggingFaceTB/SmolLM2-135M-Instruct`; other names are returned unchanged."""
+    from .assets import DEFAULT_TARGET_CACHE_NAME, DEFAULT_TARGET_HUB_ID, DEFAULT_TARGET_NAME
+
+    if name and (name.lower() == DEFAULT_TARGET_NAME.lower()
+                 or os.path.basename(os.path.normpath(name)) == DEFAULT_TARGET_CACHE_NAME):
+        return DEFAULT_TARGET_HUB_ID
+    return name
+
+
 def model_card(drafter: TreeSparkDrafter, acceptance_table: str | None = None, repo_id: str | None = None) -> str:
     """A markdown model card for `drafter`: target pairing, architecture, tree policy, acceptance, usage.
 
@@ -51,11 +66,12 @@ def model_card(drafter: TreeSparkDrafter, acceptance_table: str | None = None, r
         repo_id: the Hub id (or local path) the drafter will be loaded from, used in the usage snippet.
     """
     cfg: TreeSparkConfig = drafter.config
-    target = cfg.target_name_or_path
+    target = hub_target_id(cfg.target_name_or_path)
     repo = repo_id or "path/or/repo-id-of-this-drafter"
     target_ref = target or "the-target-model"
 
-    front = ["---", "library_name: hf_treespark", "tags:", "- treespark", "- speculative-decoding", "- drafter"]
+    front = ["---", "library_name: hf_treespark", f"license: {LICENSE}", f"pipeline_tag: {PIPELINE_TAG}", "tags:",
+             "- treespark", "- speculative-decoding", "- drafter"]
     if target and _REPO_ID.match(target):
         front.append(f"base_model: {json.dumps(target)}")
     front.append("---")

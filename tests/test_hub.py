@@ -487,3 +487,53 @@ def test_plain_save_pretrained_writes_a_card_so_push_to_hub_uploads_one(tmp_path
     drafter.save_pretrained(tmp_path / "plain")
     card = (tmp_path / "plain" / "README.md").read_text()
     assert "treespark" in card.lower() and "assistant_model" in card
+
+
+@pytest.mark.parametrize("recorded", ["SmolLM2-135M-Instruct", "/root/.cache/hf_treespark/smollm2-135m-instruct"])
+def test_model_card_names_the_default_target_by_its_hub_id_with_license_and_pipeline_tag(target, recorded):
+    card = model_card(tiny_drafter(target, target_name_or_path=recorded), repo_id="me/drafter")
+    meta = front_matter(card)
+    assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert meta["license"] == "apache-2.0" and meta["pipeline_tag"] == "text-generation"
+    assert 'AutoModelForCausalLM.from_pretrained("HuggingFaceTB/SmolLM2-135M-Instruct")' in card
+    assert '"SmolLM2-135M-Instruct"' not in card  # never the bare local name where a Hub id belongs
+
+
+# ----- dtype on save ------------------------------------------------------------------------------------
+def stored_dtypes(directory) -> set[torch.dtype]:
+    return {t.dtype for t in load_file(directory / "model.safetensors").values()}
+
+
+def test_save_keeps_the_dtype_the_weights_were_stored_in(tmp_path, target):
+    tiny_drafter(target).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    loaded = TreeSparkDrafter.from_pretrained(tmp_path / "bf16", dtype=torch.float32)
+    assert loaded.dtype == torch.float32
+    loaded.save_pretrained(tmp_path / "again")
+    assert stored_dtypes(tmp_path / "again") == {torch.bfloat16}
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["dtype"] == "bfloat16"
+    size = os.path.getsize(tmp_path / "again" / "model.safetensors")
+    assert abs(size - os.path.getsize(tmp_path / "bf16" / "model.safetensors")) < 4096
+    assert loaded.dtype == torch.float32 and loaded.config.dtype == torch.float32  # the model in memory is untouched
+    assert_same_outputs(load_file(tmp_path / "again" / "model.safetensors"),
+                        load_file(tmp_path / "bf16" / "model.safetensors"))
+
+    loaded.save_pretrained(tmp_path / "asked", dtype=torch.float32)  # the caller asks otherwise
+    assert stored_dtypes(tmp_path / "asked") == {torch.float32}
+
+    with torch.no_grad():  # a weight that bfloat16 cannot hold (e.g. after fine-tuning): never rounded silently
+        loaded.fc.weight[0, 0] = 1.0 + 2.0**-12
+    loaded.save_pretrained(tmp_path / "tuned")
+    assert stored_dtypes(tmp_path / "tuned") == {torch.float32}
+    assert TreeSparkDrafter.from_pretrained(tmp_path / "tuned").fc.weight[0, 0].item() == 1.0 + 2.0**-12
+
+
+@pytest.mark.slow
+def test_default_drafter_saved_as_float32_in_memory_keeps_its_bfloat16_file(tmp_path):
+    from hf_treespark import assets
+
+    drafter = assets.load_default_drafter()  # float32 in memory
+    drafter.save_pretrained(tmp_path)
+    shipped = assets.DEFAULT_DRAFTER_DIR / "model.safetensors"
+    assert stored_dtypes(tmp_path) == stored_dtypes(assets.DEFAULT_DRAFTER_DIR) == {torch.bfloat16}
+    assert abs(os.path.getsize(tmp_path / "model.safetensors") - os.path.getsize(shipped)) < 64 * 1024
+    assert_same_outputs(load_file(tmp_path / "model.safetensors"), load_file(shipped))
