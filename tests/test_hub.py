@@ -285,6 +285,32 @@ def test_invalid_config_field_raises_valueerror_naming_it(tmp_path, drafter, fie
         AutoModel.from_pretrained(tmp_path)
 
 
+@pytest.mark.parametrize(("field", "value", "form"), [
+    ("target_layer_ids", "1,8,14", r"expected a list of integer target layer ids, e\.g\. \[1, 8, 14\]"),
+    ("target_layer_ids", [1.5, 8], "expected a list of integer target layer ids"),
+    ("acceptance_profile", {"x": 1.2}, "expected a mapping from integer tree budgets to measured acceptance lengths"),
+    ("acceptance_profile", {"8": "fast"}, "expected a mapping from integer tree budgets"),
+    ("acceptance_profile", [1.2, 1.4], "expected a mapping from integer tree budgets"),
+])
+def test_config_field_of_the_wrong_form_names_the_field_and_the_expected_form(tmp_path, drafter, field, value, form):
+    save_drafter(drafter, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config[field] = value
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=f"TreeSparkConfig.{field}=.* is invalid: {form}"):
+        AutoModel.from_pretrained(tmp_path)
+    with pytest.raises(OSError, match=f"{tmp_path}.*TreeSparkConfig.{field}=.* is invalid: {form}"):
+        TreeSparkDrafter.from_pretrained(tmp_path)
+
+
+def test_integer_like_config_values_are_accepted():
+    import numpy as np
+
+    config = TreeSparkConfig(target_layer_ids=[np.int64(1), torch.tensor(8)], acceptance_profile={8: 1.5, "16": 2})
+    assert config.target_layer_ids == [1, 8] and all(type(i) is int for i in config.target_layer_ids)
+    assert config.acceptance_profile == {"8": 1.5, "16": 2.0}
+
+
 def test_misshaped_weight_is_refused(tmp_path, drafter):
     save_drafter(drafter, tmp_path)
     weights = load_file(tmp_path / "model.safetensors")
