@@ -97,6 +97,7 @@ class TreeSparkConfig(PretrainedConfig):
         self.acceptance_profile = _acceptance_profile(acceptance_profile)
         self.initializer_range = initializer_range
         kwargs.pop("hidden_size", None)  # always equal to target_hidden_size
+        kwargs.pop("vocab_size", None)  # always equal to target_vocab_size (a property)
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
         self.validate_fields()
@@ -145,6 +146,11 @@ class TreeSparkConfig(PretrainedConfig):
         }
         fields.update(overrides)
         return cls(**fields)
+
+    @property
+    def vocab_size(self) -> int:
+        """The target's vocabulary size: the drafter drafts the target's own token ids."""
+        return self.target_vocab_size
 
     @property
     def num_target_features(self) -> int:

@@ -159,18 +159,38 @@ def model_card(drafter: TreeSparkDrafter, acceptance_table: str | None = None, r
         "print(tokenizer.decode(out[0], skip_special_tokens=True))",
         "```",
         "",
-        "The drafter code also ships with this repository, so it loads without relying on the package's "
-        "registration:",
+        "Without the package: the drafter code and the tree decoding loop also ship with this repository "
+        "(`custom_generate/`, transformers' `custom_generate` recipe), so remote code alone decodes:",
         "",
         "```python",
         f'drafter = AutoModel.from_pretrained("{repo}", trust_remote_code=True)',
+        "out = target.generate(**inputs, assistant_model=drafter, max_new_tokens=128,",
+        f'                      custom_generate="{repo}", trust_remote_code=True)',
         "```",
-        "",
-        "Tree decoding through `generate()` still needs the `hf_treespark` package to be imported: it routes "
-        "`assistant_model=drafter` to the tree decoding loop.",
         "",
     ]
     return "\n".join(lines)
+
+
+# ----- custom_generate/: tree decoding without the package ------------------------------------------
+CUSTOM_GENERATE_DIR = "custom_generate"
+# The package modules that `hub_generate.py` needs (it and they import only torch, transformers and each
+# other). Adjust when the decoding loop's modules change; a test checks the set is closed under imports.
+CUSTOM_GENERATE_MODULES = ("assets.py", "budget.py", "configuration.py", "generation.py", "integration.py",
+                           "modeling.py", "tree.py", "verify.py")
+
+
+def write_custom_generate(save_directory: str | os.PathLike) -> Path:
+    """Write `custom_generate/` into a drafter directory: `generate.py` (from `hub_generate.py`) and copies of
+    `CUSTOM_GENERATE_MODULES`, so that `target.generate(..., assistant_model=drafter,
+    custom_generate=<directory or repo>, trust_remote_code=True)` decodes without the package. Returns the folder."""
+    package = Path(__file__).parent
+    folder = Path(save_directory) / CUSTOM_GENERATE_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(package / "hub_generate.py", folder / "generate.py")
+    for name in CUSTOM_GENERATE_MODULES:
+        shutil.copyfile(package / name, folder / name)
+    return folder
 
 
 # ----- saving and pushing ---------------------------------------------------------------------------

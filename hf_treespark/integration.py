@@ -39,7 +39,9 @@ ASSISTED_FIELDS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "ass
                    "prompt_lookup_num_tokens", "max_matching_ngram_size", "assistant_early_exit",
                    "assistant_lookbehind", "target_lookbehind", "assistant_ensemble_weight", "speculation_type")
 _WARNED_IGNORED: set[str] = set()  # assisted knobs already warned about in this process
-_ORIGINAL_GENERATE = GenerationMixin.generate
+# transformers' own generate, also when this module is a second copy (a drafter repo's custom_generate/)
+# imported after the package has wrapped it.
+_ORIGINAL_GENERATE = getattr(GenerationMixin.generate, "treespark_original", GenerationMixin.generate)
 _ORIGINAL_CANDIDATE_GENERATOR = GenerationMixin._get_candidate_generator
 _ORIGINAL_LOAD_ASSISTANT_MODEL = None  # transformers' pipeline loader, set by install()
 _FALLBACK = ("call hf_treespark.generate(target, drafter, input_ids, ...) instead, or use a transformers "
@@ -147,12 +149,18 @@ def _generate(self, *args, **kwargs):
         if stray:
             raise ValueError(f"{stray} only apply with a TreeSpark assistant_model")
         return _ORIGINAL_GENERATE(self, *args, **kwargs)
-    if arguments.get("custom_generate") is not None:
+    custom = arguments.get("custom_generate")
+    if isinstance(custom, (str, os.PathLike)):  # a drafter repo's custom_generate/ recipe: TreeSpark decoding too
+        return _ORIGINAL_GENERATE(self, *args, **kwargs)
+    if custom is not None:
         raise ValueError("custom_generate cannot be combined with a TreeSpark assistant_model")
     arguments.pop("self")
     arguments.pop("assistant_model")
     inputs = arguments.pop("inputs", None)
     return treespark_generate(self, assistant, inputs, **arguments, **extra)
+
+
+_generate.treespark_original = _ORIGINAL_GENERATE
 
 
 def _get_candidate_generator(self, *args, **kwargs):

@@ -31,6 +31,12 @@ from transformers.utils import ModelOutput
 
 from .configuration import TreeSparkConfig
 
+NEEDS_PACKAGE = (
+    "transformers' assisted decoding reached a TreeSpark drafter, which it cannot use (the drafter drafts trees "
+    "from the target's hidden states). Install the package (pip install hf_treespark) and `import hf_treespark` "
+    "before target.generate(..., assistant_model=drafter); without the package, add "
+    "custom_generate=<this drafter's repo id or directory> and trust_remote_code=True to that call.")
+
 
 class TreeSparkRMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6):
@@ -294,6 +300,13 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
             raise ValueError(f"This TreeSpark drafter was built for {name} and does not fit this target: "
                              + "; ".join(problems) + ". Load the drafter trained for this target.")
 
+    def __getattr__(self, name: str):
+        # Only transformers' own (chain) assisted decoding asks a drafter for its generation_config: it is
+        # reached when the hf_treespark package is not imported, or not installed (remote code).
+        if name == "generation_config":
+            raise AttributeError(NEEDS_PACKAGE)
+        return super().__getattr__(name)
+
     @property
     def is_bound(self) -> bool:
         return self.__dict__.get("_target_modules") is not None
@@ -424,15 +437,16 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
         """
         dtype = dtype or self._lossless_stored_dtype()
         os.makedirs(save_directory, exist_ok=True)
+        try:
+            from hf_treespark.hub import model_card, write_custom_generate
+        except ImportError:  # loaded as remote code, without the package: no card, no custom_generate/
+            model_card = write_custom_generate = None
+        if write_custom_generate is not None:
+            write_custom_generate(save_directory)
         card = os.path.join(save_directory, "README.md")
-        if not os.path.exists(card):
-            try:
-                from hf_treespark.hub import model_card
-            except ImportError:  # loaded as remote code, without the package: no card
-                model_card = None
-            if model_card is not None:
-                with open(card, "w", encoding="utf-8") as f:
-                    f.write(model_card(self))
+        if not os.path.exists(card) and model_card is not None:
+            with open(card, "w", encoding="utf-8") as f:
+                f.write(model_card(self))
         if dtype is None or dtype == self.dtype:
             return super().save_pretrained(save_directory, *args, **kwargs)
         # Swap every weight for a `dtype` copy while saving (config.json records it too), then put the

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import huggingface_hub
 import pytest
@@ -563,3 +564,116 @@ def test_default_drafter_saved_as_float32_in_memory_keeps_its_bfloat16_file(tmp_
     assert stored_dtypes(tmp_path) == stored_dtypes(assets.DEFAULT_DRAFTER_DIR) == {torch.bfloat16}
     assert abs(os.path.getsize(tmp_path / "model.safetensors") - os.path.getsize(shipped)) < 64 * 1024
     assert_same_outputs(load_file(tmp_path / "model.safetensors"), load_file(shipped))
+
+
+# ----- remote code without the package: a clear error, and custom_generate/ ---------------------------------
+NO_PACKAGE_SCRIPT = textwrap.dedent("""
+    import json, sys
+    try:
+        import hf_treespark  # noqa: F401
+    except ModuleNotFoundError:
+        pass
+    else:
+        raise SystemExit(f"hf_treespark is importable in this environment: {hf_treespark.__file__}")
+    import torch
+    from transformers import AutoModel, Qwen3ForCausalLM
+
+    drafter_dir, target_dir, out_file = sys.argv[1:4]
+    drafter = AutoModel.from_pretrained(drafter_dir, trust_remote_code=True).eval()
+    target = Qwen3ForCausalLM.from_pretrained(target_dir).eval()
+    ids = torch.tensor([[1, 5, 9, 17, 33]])
+    result = {"module": type(drafter).__module__, "drafter_has_generate": hasattr(drafter, "generate")}
+    try:
+        target.generate(ids, assistant_model=drafter, max_new_tokens=4)
+    except Exception as err:
+        result["assisted_error"] = f"{type(err).__name__}: {err}"
+    plain = target.generate(ids, do_sample=False, max_new_tokens=24)
+    out = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=24, custom_generate=drafter_dir,
+                          trust_remote_code=True, return_dict_in_generate=True)
+    result["plain"], result["tree"] = plain[0].tolist(), out.sequences[0].tolist()
+    result["rounds"], result["loop_module"] = len(out.rounds), type(out).__module__
+    json.dump(result, open(out_file, "w"))
+""")
+
+
+@pytest.fixture(scope="module")
+def package_free_python(tmp_path_factory) -> str:
+    """A virtual environment with this interpreter's torch and transformers but without hf_treespark.
+
+    A fresh venv (no system site-packages) whose one `.pth` line puts the project venv's site-packages
+    on `sys.path`. Python runs `.pth` files only in site directories, so the editable install's finder
+    hook in that directory never runs: `import hf_treespark` fails as it would for a user who never
+    installed it (the test runs with another working directory, so the checkout is not on the path).
+    """
+    import sysconfig
+
+    root = tmp_path_factory.mktemp("nopkg") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True, timeout=120)
+    python = str(root / "bin" / "python")
+    purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             check=True, capture_output=True, text=True).stdout.strip()
+    Path(purelib, "project_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return python
+
+
+def test_remote_code_without_the_package_says_what_to_install_and_custom_generate_decodes(
+        tmp_path, drafter, target, package_free_python):
+    save_drafter(drafter, tmp_path / "drafter")
+    target.save_pretrained(tmp_path / "target")
+    env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run([package_free_python, "-c", NO_PACKAGE_SCRIPT, str(tmp_path / "drafter"),
+                           str(tmp_path / "target"), str(tmp_path / "out.json")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert result["module"].startswith("transformers_modules")
+    assert not result["drafter_has_generate"]  # custom_generate/ does not replace anything on the drafter
+    assert result["assisted_error"].startswith("AttributeError: transformers' assisted decoding reached a TreeSpark")
+    assert "pip install hf_treespark" in result["assisted_error"] and "custom_generate=" in result["assisted_error"]
+    assert result["tree"] == result["plain"] and result["rounds"] > 0
+    assert result["loop_module"].startswith("transformers_modules") and "custom_generate" in result["loop_module"]
+
+
+def test_custom_generate_folder_holds_every_module_it_imports(tmp_path, drafter):
+    from transformers.dynamic_module_utils import get_imports, get_relative_import_files
+
+    from hf_treespark.hub import CUSTOM_GENERATE_MODULES
+
+    drafter.save_pretrained(tmp_path)
+    folder = tmp_path / "custom_generate"
+    assert sorted(p.name for p in folder.iterdir()) == sorted([*CUSTOM_GENERATE_MODULES, "generate.py"])
+    needed = get_relative_import_files(folder / "generate.py")
+    assert all(Path(f).is_file() for f in needed), [f for f in needed if not Path(f).is_file()]
+    for source in folder.iterdir():  # what transformers' check_imports asks the environment for
+        outside = {name for name in get_imports(source) if name not in sys.stdlib_module_names}
+        assert outside <= {"torch", "transformers", "tqdm"}, (source.name, outside)  # tqdm: a transformers dependency
+
+
+def test_custom_generate_recipe_with_the_package_imported_equals_plain_greedy(tmp_path, drafter, target):
+    save_drafter(drafter, tmp_path / "drafter")
+    ids = torch.tensor([[1, 5, 9, 17, 33]])
+    plain = target.generate(ids, do_sample=False, max_new_tokens=16)
+    out = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=16,
+                          custom_generate=str(tmp_path / "drafter"), trust_remote_code=True)
+    assert torch.equal(out, plain)
+
+
+def test_custom_generate_recipe_refuses_to_run_as_the_drafters_own_generate(drafter, target):
+    from hf_treespark.hub_generate import generate
+
+    with pytest.raises(RuntimeError, match="call it from the target"):
+        generate(model=drafter, assistant_model=drafter)
+    with pytest.raises(ValueError, match="needs the drafter too: pass assistant_model="):
+        generate(model=target, inputs=torch.tensor([[1, 2]]))
+
+
+def test_plain_assisted_path_without_the_routing_names_the_package(drafter, target, monkeypatch):
+    from transformers import GenerationMixin
+
+    from hf_treespark import integration
+
+    monkeypatch.setattr(GenerationMixin, "generate", integration._ORIGINAL_GENERATE)  # as if never imported
+    monkeypatch.setattr(GenerationMixin, "_get_candidate_generator", integration._ORIGINAL_CANDIDATE_GENERATOR)
+    with pytest.raises(AttributeError, match=r"pip install hf_treespark\) and `import hf_treespark`"):
+        target.generate(torch.tensor([[1, 5, 9]]), assistant_model=drafter, max_new_tokens=4)
