@@ -81,3 +81,30 @@ def test_calibrate_writes_an_acceptance_profile_the_drafter_loads(tmp_path):
     drafter = TreeSparkDrafter.from_pretrained(drafter_dir, dtype=torch.float32)
     profile = drafter.config.acceptance_profile
     assert set(profile) == {"2", "8"} and all(t >= 1.0 for t in profile.values())
+
+
+def test_each_method_keeps_one_colour_whichever_methods_a_plot_shows():
+    every = bench.method_colours(bench.METHODS)
+    assert len(set(every.values())) == len(bench.METHODS)  # no two methods share a colour
+    tree_only = bench.method_colours(["treespark", "dspark_tree"])  # the by-depth plot has no plain greedy
+    assert tree_only == {"treespark": every["treespark"], "dspark_tree": every["dspark_tree"]}
+    assert bench.method_colours(["mine", "treespark"])["treespark"] == every["treespark"]
+
+
+def test_both_plots_draw_a_method_in_the_same_colour(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_hex
+
+    rows = [{"suite": "mtbench", "method": m, "label": bench.METHODS[m].label, "acceptance_length": 1.0 + i / 4,
+             "acceptance_by_depth": [] if m in ("plain", "prompt_lookup") else [0.6, 0.3, 0.1]}
+            for i, m in enumerate(bench.METHODS)]
+    report = {"results": rows, "config": {"dtype": "fp32", "tree_budget": 8}}
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figures to inspect their artists
+    bench.plot_report(report, tmp_path)
+    bars, depth = figures
+    bar_colours = {c.get_label(): to_hex(c.patches[0].get_facecolor()) for c in bars.axes[0].containers}
+    line_colours = {line.get_label(): to_hex(line.get_color()) for line in depth.axes[0].get_lines()}
+    assert len(line_colours) == 4 and set(line_colours) < set(bar_colours)
+    assert all(line_colours[label] == bar_colours[label] for label in line_colours)
