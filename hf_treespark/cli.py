@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
+import os
+import socket
 import sys
 import time
 
@@ -131,16 +134,47 @@ def cmd_demo(args) -> int:
     from .demo import build_app, import_gradio, launch
 
     import_gradio()  # before loading models: say at once if the demo extra is missing
+    host, port = demo_address(args.host, args.port)  # and whether it can serve where asked
     app = build_app(target_name=args.target, drafter_name=args.drafter, dtype=args.dtype)
-    launch(app, host=args.host, port=args.port, share=args.share)
+    launch(app, host=host, port=port, share=args.share)
     return 0
+
+
+def demo_address(host: str | None, port: int | None) -> tuple[str, int]:
+    """`(host, port)` for the demo: the flags, else Gradio's `GRADIO_SERVER_NAME` / `GRADIO_SERVER_PORT`, else
+    127.0.0.1:7860. Raises `ValueError` naming the flag or variable when the address cannot be served on."""
+    host_from = "--host" if host is not None else "GRADIO_SERVER_NAME"
+    host = host if host is not None else os.environ.get("GRADIO_SERVER_NAME") or "127.0.0.1"
+    port_from = "--port" if port is not None else "GRADIO_SERVER_PORT"
+    if port is None:
+        raw = os.environ.get("GRADIO_SERVER_PORT") or "7860"
+        try:
+            port = int(raw)
+        except ValueError:
+            raise ValueError(f"GRADIO_SERVER_PORT={raw!r} is not a port number: set it to one in 1-65535") from None
+    if not 1 <= port <= 65535:
+        raise ValueError(f"{port_from} {port} is not a port number: choose one in 1-65535 (default 7860)")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (OSError, UnicodeError) as err:
+        raise ValueError(f"{host_from} {host!r} is not an address of this machine ({err}): use 127.0.0.1 (this "
+                         "machine only) or 0.0.0.0 (the whole network)") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as err:
+            raise ValueError(f"cannot serve on {host}:{port} ({host_from}, {port_from}): {err.strerror or err}. "
+                             "Choose another --port, or stop what is using it") from None
+    return host, port
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", help="target model name or path (default: offline SmolLM2-135M-Instruct)")
     parser.add_argument("--drafter", help="drafter name or path (default: the shipped drafter)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to serve on (0.0.0.0: the whole network)")
-    parser.add_argument("--port", type=int, default=7860)
+    parser.add_argument("--host", help="address to serve on (default: $GRADIO_SERVER_NAME or 127.0.0.1; "
+                                       "0.0.0.0: the whole network)")
+    parser.add_argument("--port", type=int, help="port to serve on (default: $GRADIO_SERVER_PORT or 7860)")
     parser.add_argument("--share", action="store_true", help="also open a public gradio.live link (off by default)")
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                         help="auto: bf16 where the device computes it natively, else fp32")
@@ -181,6 +215,17 @@ def add_push_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--token", help="Hub token (default: the one `hf auth login` stored, or $HF_TOKEN)")
 
 
+def temperature(text: str) -> float:
+    """argparse type of `--temperature`: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (0 = greedy), got {text!r}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     from . import __version__
 
@@ -199,9 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--budget", type=int, help="tree budget N (non-root nodes verified per round)")
     gen.add_argument("--topk", type=int, help="children per frontier parent")
     gen.add_argument("--chain", action="store_true", help="chain mode (plain DSpark drafting)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy")
     gen.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                        help="auto: bf16 where the device computes it natively, else fp32")
+                     help="auto: bf16 where the device computes it natively, else fp32")
     gen.add_argument("--compare", action="store_true", help="also run plain decoding: speedup and exactness check")
     gen.set_defaults(func=cmd_generate)
 
@@ -256,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, RuntimeError) as err:
         print(f"treespark: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, and the shell's usual status for SIGINT
+        print("\ntreespark: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 from transformers import PretrainedConfig
 
 
@@ -81,7 +83,7 @@ class TreeSparkConfig(PretrainedConfig):
         self.target_hidden_size = target_hidden_size
         self.target_vocab_size = target_vocab_size
         self.target_num_hidden_layers = target_num_hidden_layers
-        self.target_layer_ids = [int(i) for i in target_layer_ids]
+        self.target_layer_ids = _layer_ids(target_layer_ids)
         self.target_name_or_path = target_name_or_path
         self.block_size = block_size
         self.mask_token_id = mask_token_id
@@ -100,12 +102,12 @@ class TreeSparkConfig(PretrainedConfig):
         self.tree_topk = tree_topk
         self.tree_frontier = tree_frontier
         self.tree_budget = tree_budget
-        self.acceptance_profile = ({str(int(n)): float(t) for n, t in acceptance_profile.items()}
-                                   if acceptance_profile else None)
+        self.acceptance_profile = _acceptance_profile(acceptance_profile)
         self.tree_lookup = tree_lookup
         self.draft_vocab_size = draft_vocab_size
         self.initializer_range = initializer_range
         kwargs.pop("hidden_size", None)  # always equal to target_hidden_size
+        kwargs.pop("vocab_size", None)  # always equal to target_vocab_size (a property)
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
         self.validate_fields()
@@ -162,6 +164,11 @@ class TreeSparkConfig(PretrainedConfig):
         return cls(**fields)
 
     @property
+    def vocab_size(self) -> int:
+        """The target's vocabulary size: the drafter drafts the target's own token ids."""
+        return self.target_vocab_size
+
+    @property
     def num_target_features(self) -> int:
         return len(self.target_layer_ids)
 
@@ -169,6 +176,41 @@ class TreeSparkConfig(PretrainedConfig):
     def proposal_vocab_size(self) -> int:
         """How many tokens the drafter can propose: `draft_vocab_size`, or the target's vocabulary."""
         return self.draft_vocab_size or self.target_vocab_size
+
+
+def _integer(value) -> int:
+    """`value` as an int if it is integer-like (numpy and 0-d torch ints are; bools, floats and strings are not)."""
+    if isinstance(value, bool):
+        raise TypeError
+    return operator.index(value)
+
+
+def _layer_ids(value) -> list[int]:
+    try:
+        if isinstance(value, (str, bytes)):
+            raise TypeError
+        return [_integer(i) for i in value]
+    except TypeError:
+        raise ValueError(f"TreeSparkConfig.target_layer_ids={value!r} is invalid: expected a list of integer "
+                         "target layer ids, e.g. [1, 8, 14]") from None
+
+
+def _acceptance_profile(value) -> dict[str, float] | None:
+    if not value:
+        return None
+    try:
+        if not isinstance(value, dict):
+            raise TypeError
+        profile = {}
+        for n, tau in value.items():
+            if isinstance(tau, (bool, str)):
+                raise TypeError
+            budget = int(n) if isinstance(n, str) and n.isdigit() else _integer(n)  # JSON keys are strings
+            profile[str(budget)] = float(tau)
+        return profile
+    except (TypeError, ValueError):
+        raise ValueError(f"TreeSparkConfig.acceptance_profile={value!r} is invalid: expected a mapping from integer "
+                         'tree budgets to measured acceptance lengths, e.g. {"8": 1.9, "16": 2.1}') from None
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> list[int]:

@@ -12,6 +12,7 @@ strings), so the package imports without gradio. `build_app` imports gradio, the
 """
 
 import html
+import math
 import queue
 import threading
 import time
@@ -63,19 +64,30 @@ class DemoSettings:
 
 
 def check_request(prompt: str | None, settings: DemoSettings) -> str | None:
-    """A readable message for a request the demo refuses, or None."""
+    """A readable message for a request the demo refuses, or None.
+
+    API callers reach this with raw values (the endpoint skips gradio's preprocessing, whose errors
+    reach a client only as "verbose error reporting not enabled"): any type is checked here.
+    """
+    if prompt is not None and not isinstance(prompt, str):
+        return f"The prompt must be text, got {prompt!r}."
     if prompt is None or not prompt.strip():
         return "The prompt is empty: type a question or an instruction first."
     for name in ("max_new_tokens", "tree_budget", "tree_topk", "temperature"):
         value = getattr(settings, name)
-        if value is None:
-            continue
         low, high = LIMITS[name]
         label = name.replace("_", " ")
-        if name != "temperature" and (isinstance(value, bool) or float(value) != int(value)):
+        if value is None and name in ("tree_budget", "tree_topk"):
+            continue  # the drafter config's value
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return f"{label} must be a number between {low:g} and {high:g}, got {value!r}."
+        if name != "temperature" and float(value) != int(value):
             return f"{label} must be a whole number, got {value!r}."
         if not low <= value <= high:
             return f"{label} must be between {low:g} and {high:g}, got {value:g}."
+    for name in ("chain", "compare"):
+        if not isinstance(getattr(settings, name), bool):
+            return f"{name} must be true or false, got {getattr(settings, name)!r}."
     return None
 
 
@@ -639,14 +651,14 @@ def build_app(target=None, tokenizer=None, drafter=None, *, target_name: str | N
     def generate(prompt, max_new_tokens, tree_budget, tree_topk, chain, temperature, compare,
                  request: gr.Request):
         settings = DemoSettings(max_new_tokens=max_new_tokens, tree_budget=tree_budget, tree_topk=tree_topk,
-                                chain=bool(chain), temperature=temperature, compare=bool(compare))
+                                chain=chain, temperature=temperature, compare=compare)
         problem = check_request(prompt, settings)
         if problem:
             gr.Warning(problem)
             yield outputs_for(None, problem)
             return
         settings.max_new_tokens, settings.tree_budget, settings.tree_topk = (
-            int(max_new_tokens), int(tree_budget), int(tree_topk))
+            int(v) if v is not None else None for v in (max_new_tokens, tree_budget, tree_topk))
         session = request.session_hash if request is not None else None
         stop = state.stops[session] = threading.Event()
         try:
@@ -747,8 +759,9 @@ def build_app(target=None, tokenizer=None, drafter=None, *, target_name: str | N
 
         outputs = [answer, stats, histogram, round_slider, tree, result, message, records]
         controls = [prompt, max_new_tokens, tree_budget, tree_topk, chain, temperature, compare]
-        generate_btn.click(generate, controls, outputs, api_name="generate", concurrency_limit=1)
-        prompt.submit(generate, controls, outputs, api_name=False, concurrency_limit=1)
+        # preprocess=False: `generate` gets the raw values and `check_request` answers bad ones readably.
+        generate_btn.click(generate, controls, outputs, api_name="generate", concurrency_limit=1, preprocess=False)
+        prompt.submit(generate, controls, outputs, api_name=False, concurrency_limit=1, preprocess=False)
         stop_btn.click(stop, None, None, api_name="stop", queue=False)
         clear_btn.click(clear, None, [prompt, *outputs], api_name=False, queue=False)
         round_slider.change(show_round, [round_slider, records], tree, api_name="show_round")

@@ -2,7 +2,9 @@
 
 A TreeSpark drafter directory is what `save_pretrained` writes (`config.json` with an `auto_map`,
 `model.safetensors`, and `modeling.py` + `configuration.py` as remote code, because `import
-hf_treespark` registers the classes for auto classes) plus a `README.md` model card:
+hf_treespark` registers the classes for auto classes; `custom_generate/`, the tree decoding loop
+as a transformers `custom_generate` recipe for users without the package) plus a `README.md`
+model card:
 
     save_drafter(drafter, "my-drafter", acceptance_table=table)
     push_drafter_to_hub(drafter, "me/my-drafter", acceptance_table=table)
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -27,134 +28,26 @@ from typing import Any
 
 import torch
 
+from .card import (  # noqa: F401  (re-exported: the card and custom_generate/ are part of sharing)
+    _REPO_ID,
+    CARD_NAME,
+    CUSTOM_GENERATE_DIR,
+    CUSTOM_GENERATE_MODULES,
+    LICENSE,
+    PIPELINE_TAG,
+    hub_target_id,
+    model_card,
+    write_custom_generate,
+)
 from .configuration import TreeSparkConfig
 from .modeling import TreeSparkDrafter
 
-CARD_NAME = "README.md"
 DSPARK_SHARED_KEYS = ("embed_tokens.weight", "lm_head.weight")  # the target's, stored by DSpark, bound by us
 _IGNORED_KEYS = ("rotary_emb.inv_freq",)  # a derived buffer some exporters store
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 
 
 class DSparkConversionError(ValueError):
     """A DSpark checkpoint or config that cannot become a TreeSpark drafter (or the reverse)."""
-
-
-# ----- model card ---------------------------------------------------------------------------------
-def model_card(drafter: TreeSparkDrafter, acceptance_table: str | None = None, repo_id: str | None = None) -> str:
-    """A markdown model card for `drafter`: target pairing, architecture, tree policy, acceptance, usage.
-
-    Args:
-        drafter: the drafter (or anything with a `TreeSparkConfig` as `.config`).
-        acceptance_table: a markdown table of measured acceptance lengths, inserted verbatim. `None`
-            says that no measurement was recorded.
-        repo_id: the Hub id (or local path) the drafter will be loaded from, used in the usage snippet.
-    """
-    cfg: TreeSparkConfig = drafter.config
-    target = cfg.target_name_or_path
-    repo = repo_id or "path/or/repo-id-of-this-drafter"
-    target_ref = target or "the-target-model"
-
-    front = ["---", "library_name: hf_treespark", "tags:", "- treespark", "- speculative-decoding", "- drafter"]
-    if target and _REPO_ID.match(target):
-        front.append(f"base_model: {json.dumps(target)}")
-    front.append("---")
-
-    params = sum(p.numel() for p in drafter.parameters()) if hasattr(drafter, "parameters") else None
-    mask = (f"token id {cfg.mask_token_id} of the target's vocabulary" if cfg.mask_token_id is not None
-            else "a learned mask embedding owned by the drafter")
-    confidence = (f"yes: `c_k(y) = sigmoid(w . [h_k ; W1[y]] + b)`, input width {cfg.hidden_size + cfg.markov_rank}"
-                  if cfg.use_confidence_head else "no")
-    title = f"TreeSpark drafter for {target}" if target else "TreeSpark drafter"
-
-    lines = [
-        *front,
-        "",
-        f"# {title}",
-        "",
-        "A TreeSpark drafter: a DSpark-style parallel block drafter that drafts a block of "
-        f"{cfg.block_size} future tokens in one forward pass, conditioned on hidden states of its target model, "
-        "with a low-rank Markov head (parent-token correction) and a confidence head. `hf_treespark` grows a "
-        "candidate tree from its outputs and verifies the whole tree in one target forward, so decoding stays "
-        "lossless: the output is the target's own.",
-        "",
-        "The drafter shares the target's token embeddings and LM head; they are not stored here, and the drafter "
-        "refuses a target whose vocabulary, hidden size or depth differs from the one below.",
-        "",
-        "## Target pairing",
-        "",
-        "| | |",
-        "|---|---|",
-        f"| target | `{target_ref}`{'' if target else ' (not recorded)'} |",
-        f"| target hidden size | {cfg.target_hidden_size} |",
-        f"| target vocabulary | {cfg.target_vocab_size} |",
-        f"| target layers | {cfg.target_num_hidden_layers} |",
-        f"| target_layer_ids | `{list(cfg.target_layer_ids)}` (read from `hidden_states[l + 1]`) |",
-        "",
-        "## Architecture",
-        "",
-        "| | |",
-        "|---|---|",
-        f"| block size `B` | {cfg.block_size} |",
-        f"| draft layers | {cfg.num_hidden_layers} |",
-        f"| attention heads / KV heads | {cfg.num_attention_heads} / {cfg.num_key_value_heads} |",
-        f"| head_dim | {cfg.head_dim} |",
-        f"| MLP width | {cfg.intermediate_size} |",
-        f"| Markov rank `r` | {cfg.markov_rank} |",
-        f"| confidence head | {confidence} |",
-        f"| mask slots | {mask} |",
-    ]
-    if params is not None:
-        lines.append(f"| stored parameters | {params:,} |")
-    lines += [
-        "",
-        "## Tree policy defaults",
-        "",
-        "Each round drafts one block and grows a tree of depth up to `B` from it; the tree is verified in one "
-        "target forward. Every knob can be overridden per call (`tree_topk=`, `tree_frontier=`, `tree_budget=`).",
-        "",
-        "| | |",
-        "|---|---|",
-        f"| tree_topk (children per frontier parent) | {cfg.tree_topk} |",
-        f"| tree_frontier (parents kept per depth) | {cfg.tree_frontier} |",
-        f"| tree_budget (tree nodes verified per round) | {cfg.tree_budget} |",
-        f"| max depth (block size) | {cfg.block_size} |",
-        "",
-        "## Measured acceptance",
-        "",
-    ]
-    if acceptance_table and acceptance_table.strip():
-        lines += [acceptance_table.strip()]
-    else:
-        lines += ["No acceptance table was recorded for this drafter."]
-    lines += [
-        "",
-        "## Usage",
-        "",
-        "```python",
-        "import hf_treespark  # registers the drafter with AutoModel and routes generate() to tree decoding",
-        "from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer",
-        "",
-        f'target = AutoModelForCausalLM.from_pretrained("{target_ref}")',
-        f'tokenizer = AutoTokenizer.from_pretrained("{target_ref}")',
-        f'drafter = AutoModel.from_pretrained("{repo}")',
-        'inputs = tokenizer("Write a haiku about trees.", return_tensors="pt")',
-        "out = target.generate(**inputs, assistant_model=drafter, max_new_tokens=128)",
-        "print(tokenizer.decode(out[0], skip_special_tokens=True))",
-        "```",
-        "",
-        "The drafter code also ships with this repository, so it loads without relying on the package's "
-        "registration:",
-        "",
-        "```python",
-        f'drafter = AutoModel.from_pretrained("{repo}", trust_remote_code=True)',
-        "```",
-        "",
-        "Tree decoding through `generate()` still needs the `hf_treespark` package to be imported: it routes "
-        "`assistant_model=drafter` to the tree decoding loop.",
-        "",
-    ]
-    return "\n".join(lines)
 
 
 # ----- saving and pushing ---------------------------------------------------------------------------
@@ -168,7 +61,8 @@ def save_drafter(
     """`drafter.save_pretrained(save_directory, **kwargs)` plus a `README.md` model card (kept if one exists).
 
     The directory then holds `config.json` (with `auto_map`), `model.safetensors`, `modeling.py` and
-    `configuration.py` (remote code for `trust_remote_code=True`) and the card. Returns the directory.
+    `configuration.py` (remote code for `trust_remote_code=True`), `custom_generate/` (see
+    `write_custom_generate`) and the card. Returns the directory.
     """
     if kwargs.get("push_to_hub"):
         raise ValueError("save_drafter does not push; use push_drafter_to_hub so that the model card is uploaded too")

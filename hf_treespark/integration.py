@@ -11,21 +11,40 @@ goes to the original `generate` untouched.
 If a model class overrides `generate` itself, or transformers changes, the guard on
 `_get_candidate_generator` turns the opaque failure into a message naming
 `hf_treespark.generate`.
+
+Two arguments of `generate` need help on that path: `tokenizer` (which the `custom_generate`
+callable path drops, so `stop_strings` would be refused) becomes a `StopStringCriteria` here,
+and transformers' assisted-decoding knobs (`num_assistant_tokens`, ...) that mean nothing to a
+tree drafter are removed with a one-time warning. `pipeline("text-generation",
+assistant_model=drafter)` skips transformers' tokenizer comparison: the drafter drafts the
+target's own token ids.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
+import os
+import warnings
 
-from transformers import GenerationMixin
+from transformers import GenerationMixin, StoppingCriteriaList, StopStringCriteria
 
 from .generation import treespark_decoding
 
 TREE_KWARGS = ("tree_budget", "tree_topk", "tree_depth", "tree_frontier", "tree_chain", "tree_lookup", "tree_record",
                "tree_timer")
-_ORIGINAL_GENERATE = GenerationMixin.generate
+# GenerationConfig fields of transformers' assisted decoding (chain drafters, prompt lookup, early
+# exit, universal assisted decoding); a TreeSpark drafter uses none of them.
+ASSISTED_FIELDS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold",
+                   "prompt_lookup_num_tokens", "max_matching_ngram_size", "assistant_early_exit",
+                   "assistant_lookbehind", "target_lookbehind", "assistant_ensemble_weight", "speculation_type")
+_WARNED_IGNORED: set[str] = set()  # assisted knobs already warned about in this process
+# transformers' own generate, also when this module is a second copy (a drafter repo's custom_generate/)
+# imported after the package has wrapped it.
+_ORIGINAL_GENERATE = getattr(GenerationMixin.generate, "treespark_original", GenerationMixin.generate)
 _ORIGINAL_CANDIDATE_GENERATOR = GenerationMixin._get_candidate_generator
+_ORIGINAL_LOAD_ASSISTANT_MODEL = None  # transformers' pipeline loader, set by install()
 _FALLBACK = ("call hf_treespark.generate(target, drafter, input_ids, ...) instead, or use a transformers "
              "version in hf_treespark's tested range")
 
@@ -39,8 +58,81 @@ def treespark_generate(target, drafter, inputs=None, streamer=None, **kwargs):
     """Run `target.generate` with TreeSpark tree decoding (what `assistant_model=drafter` routes to)."""
     if not _supports_custom_generate():
         raise RuntimeError("This transformers version's generate() has no custom_generate callable; " + _FALLBACK)
+    kwargs = _drop_assisted_knobs(target, kwargs)
+    kwargs = _stop_strings_as_criteria(target, kwargs)
     return _ORIGINAL_GENERATE(target, inputs, custom_generate=treespark_decoding, treespark_drafter=drafter,
                               treespark_streamer=streamer, **kwargs)
+
+
+def _config_value(target, kwargs: dict, name: str):
+    """`name`'s value as `generate` resolves it: keyword, else `generation_config=`, else the model's config."""
+    if name in kwargs:
+        return kwargs[name]
+    for config in (kwargs.get("generation_config"), getattr(target, "generation_config", None)):
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def _without(target, kwargs: dict, names: list[str]) -> dict:
+    """`kwargs` in which the fields `names` resolve to None whatever config they came from."""
+    kwargs = dict(kwargs)
+    config = kwargs.get("generation_config")
+    if config is not None and any(getattr(config, n, None) is not None for n in names):
+        config = kwargs["generation_config"] = copy.deepcopy(config)
+        for n in names:
+            setattr(config, n, None)
+    for n in names:
+        kwargs.pop(n, None)
+        if getattr(getattr(target, "generation_config", None), n, None) is not None:
+            kwargs[n] = None  # the model's own generation config would fill the field back in
+    return kwargs
+
+
+def _drop_assisted_knobs(target, kwargs: dict) -> dict:
+    """Remove transformers' assisted-decoding knobs (and `assistant_tokenizer`), warning once per knob."""
+    defaults = _default_generation_params()
+    fields = [n for n in ASSISTED_FIELDS if _config_value(target, kwargs, n) is not None]
+    # Named in the warning: what the caller set, not a config's copy of transformers' defaults.
+    named = [n for n in fields if n in kwargs or _config_value(target, kwargs, n) != defaults.get(n)]
+    if "assistant_tokenizer" in kwargs:
+        kwargs = {k: v for k, v in kwargs.items() if k != "assistant_tokenizer"}
+        named.append("assistant_tokenizer")
+    new = [n for n in named if n not in _WARNED_IGNORED]
+    if new:
+        _WARNED_IGNORED.update(new)
+        warnings.warn(f"TreeSpark tree decoding ignores transformers' assisted-decoding argument(s) "
+                      f"{', '.join(new)}: the drafter drafts the target's own tokens and the tree is set by "
+                      "tree_budget, tree_topk, tree_depth and tree_frontier.", UserWarning, stacklevel=4)
+    return _without(target, kwargs, fields) if fields else kwargs
+
+
+def _default_generation_params() -> dict:
+    from transformers import GenerationConfig
+
+    defaults = getattr(GenerationConfig(), "_get_default_generation_params", None)
+    return defaults() if defaults is not None else {}
+
+
+def _stop_strings_as_criteria(target, kwargs: dict) -> dict:
+    """`stop_strings` + `tokenizer` as a `StopStringCriteria` in `stopping_criteria`, as plain `generate` builds it.
+
+    transformers' `custom_generate` callable path drops `tokenizer`, so it would refuse the stop strings.
+    """
+    tokenizer = kwargs.get("tokenizer")
+    stop_strings = _config_value(target, kwargs, "stop_strings")
+    if stop_strings is None:
+        return kwargs
+    if tokenizer is None:
+        raise ValueError("stop_strings needs the tokenizer: pass tokenizer=<the target's tokenizer> to generate() "
+                         "together with stop_strings")
+    kwargs = _without(target, kwargs, ["stop_strings"])
+    kwargs.pop("tokenizer")
+    criteria = StoppingCriteriaList(kwargs.get("stopping_criteria") or [])
+    criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
+    kwargs["stopping_criteria"] = criteria
+    return kwargs
 
 
 def _supports_custom_generate() -> bool:
@@ -58,12 +150,18 @@ def _generate(self, *args, **kwargs):
         if stray:
             raise ValueError(f"{stray} only apply with a TreeSpark assistant_model")
         return _ORIGINAL_GENERATE(self, *args, **kwargs)
-    if arguments.get("custom_generate") is not None:
+    custom = arguments.get("custom_generate")
+    if isinstance(custom, (str, os.PathLike)):  # a drafter repo's custom_generate/ recipe: TreeSpark decoding too
+        return _ORIGINAL_GENERATE(self, *args, **kwargs)
+    if custom is not None:
         raise ValueError("custom_generate cannot be combined with a TreeSpark assistant_model")
     arguments.pop("self")
     arguments.pop("assistant_model")
     inputs = arguments.pop("inputs", None)
     return treespark_generate(self, assistant, inputs, **arguments, **extra)
+
+
+_generate.treespark_original = _ORIGINAL_GENERATE
 
 
 def _get_candidate_generator(self, *args, **kwargs):
@@ -75,8 +173,43 @@ def _get_candidate_generator(self, *args, **kwargs):
     return _ORIGINAL_CANDIDATE_GENERATOR(self, *args, **kwargs)
 
 
+def _load_assistant_model(model, assistant_model, assistant_tokenizer):
+    """transformers' pipeline `load_assistant_model`, accepting a TreeSpark drafter (object, path or repo id).
+
+    The drafter needs no assistant tokenizer: it drafts the target's token ids (`bind_target`
+    refuses a target whose vocabulary differs).
+    """
+    if isinstance(assistant_model, (str, os.PathLike)) and model.can_generate():
+        from transformers import AutoConfig
+
+        try:
+            model_type = AutoConfig.from_pretrained(assistant_model).model_type
+        except (OSError, ValueError):
+            model_type = None  # not a config we can read: transformers' own loader says why
+        if model_type == "treespark":
+            from .modeling import TreeSparkDrafter
+
+            assistant_model = TreeSparkDrafter.from_pretrained(assistant_model, dtype=model.dtype)
+            assistant_model = assistant_model.to(model.device).eval()
+    if is_treespark_drafter(assistant_model):
+        return (assistant_model, None) if model.can_generate() else (None, None)
+    return _ORIGINAL_LOAD_ASSISTANT_MODEL(model, assistant_model, assistant_tokenizer)
+
+
+def _install_pipeline_support() -> None:
+    global _ORIGINAL_LOAD_ASSISTANT_MODEL
+    from transformers.pipelines import base
+
+    loader = getattr(base, "load_assistant_model", None)
+    if loader is None or loader is _load_assistant_model:
+        return  # another transformers version: pipelines built with the drafter are not supported there
+    _ORIGINAL_LOAD_ASSISTANT_MODEL = loader
+    base.load_assistant_model = _load_assistant_model
+
+
 def install() -> None:
     """Route TreeSpark assistants (idempotent; done by `import hf_treespark`)."""
     if GenerationMixin.generate is not _generate and _supports_custom_generate():
         GenerationMixin.generate = _generate
     GenerationMixin._get_candidate_generator = _get_candidate_generator
+    _install_pipeline_support()

@@ -34,6 +34,12 @@ from transformers.utils import ModelOutput
 
 from .configuration import TreeSparkConfig
 
+NEEDS_PACKAGE = (
+    "transformers' assisted decoding reached a TreeSpark drafter, which it cannot use (the drafter drafts trees "
+    "from the target's hidden states). Install the package (pip install hf_treespark) and `import hf_treespark` "
+    "before target.generate(..., assistant_model=drafter); without the package, add "
+    "custom_generate=<this drafter's repo id or directory> and trust_remote_code=True to that call.")
+
 
 class TreeSparkRMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6):
@@ -306,6 +312,13 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
             raise ValueError(f"This TreeSpark drafter was built for {name} and does not fit this target: "
                              + "; ".join(problems) + ". Load the drafter trained for this target.")
 
+    def __getattr__(self, name: str):
+        # Only transformers' own (chain) assisted decoding asks a drafter for its generation_config: it is
+        # reached when the hf_treespark package is not imported, or not installed (remote code).
+        if name == "generation_config":
+            raise AttributeError(NEEDS_PACKAGE)
+        return super().__getattr__(name)
+
     @property
     def draft_vocab_size(self) -> int:
         """How many tokens the drafter can propose (the width of `U_k` and of the Markov correction)."""
@@ -481,22 +494,48 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
         return torch.cat(parts, dim=-1)[:, None]
 
     # ----- saving and loading -------------------------------------------------------------------
-    def save_pretrained(self, save_directory, *args, **kwargs):
+    def save_pretrained(self, save_directory, *args, dtype: torch.dtype | None = None, **kwargs):
         """`PreTrainedModel.save_pretrained`, plus a model card (`README.md`) when the directory has none.
 
         The card is written first, so `push_to_hub` (which saves through here) uploads it too.
+        The weights are written in `dtype`; by default in the dtype they were loaded from (a bfloat16
+        checkpoint loaded as float32 is saved as bfloat16 again) when that loses nothing, else in the
+        model's own dtype.
         """
+        dtype = dtype or self._lossless_stored_dtype()
         os.makedirs(save_directory, exist_ok=True)
+        try:
+            from hf_treespark.card import model_card, write_custom_generate
+        except ImportError:  # loaded as remote code, without the package: no card, no custom_generate/
+            model_card = write_custom_generate = None
+        if write_custom_generate is not None:
+            write_custom_generate(save_directory)
         card = os.path.join(save_directory, "README.md")
-        if not os.path.exists(card):
-            try:
-                from hf_treespark.hub import model_card
-            except ImportError:  # loaded as remote code, without the package: no card
-                model_card = None
-            if model_card is not None:
-                with open(card, "w", encoding="utf-8") as f:
-                    f.write(model_card(self))
-        return super().save_pretrained(save_directory, *args, **kwargs)
+        if not os.path.exists(card) and model_card is not None:
+            with open(card, "w", encoding="utf-8") as f:
+                f.write(model_card(self))
+        if dtype is None or dtype == self.dtype:
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        # Swap every weight for a `dtype` copy while saving (config.json records it too), then put the
+        # original tensors back: the drafter in memory is not rounded.
+        params = [p for p in self.parameters() if p.is_floating_point()]
+        originals = [p.data for p in params]
+        try:
+            for p in params:
+                p.data = p.data.to(dtype)
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        finally:
+            for p, data in zip(params, originals, strict=True):
+                p.data = data
+            self.config.dtype = self.dtype
+
+    def _lossless_stored_dtype(self) -> torch.dtype | None:
+        """The dtype of the checkpoint this drafter was loaded from, if every weight is still exact in it."""
+        stored = self.__dict__.get("_stored_dtype")
+        if stored is None or stored == self.dtype:
+            return None
+        exact = all(torch.equal(p, p.to(stored).to(p.dtype)) for p in self.parameters() if p.is_floating_point())
+        return stored if exact else None
 
     # ----- loading ------------------------------------------------------------------------------
     @classmethod
@@ -516,4 +555,18 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
         if bad:
             raise OSError(f"Refusing the TreeSpark drafter checkpoint at {pretrained_model_name_or_path!r}: it does "
                           f"not match its config ({bad}). The file is incomplete or from another model.")
+        model.__dict__["_stored_dtype"] = _stored_dtype(pretrained_model_name_or_path, kwargs)
         return (model, info) if want_info else model
+
+
+def _stored_dtype(name, kwargs: dict) -> torch.dtype | None:
+    """The weights' dtype recorded in a checkpoint's `config.json` (`dtype`, formerly `torch_dtype`), if any."""
+    hub = {k: kwargs[k] for k in ("cache_dir", "force_download", "local_files_only", "token", "revision",
+                                  "subfolder", "proxies") if k in kwargs}
+    try:
+        config_dict, _ = TreeSparkConfig.get_config_dict(name, **hub)
+    except (OSError, ValueError):
+        return None
+    value = config_dict.get("dtype") or config_dict.get("torch_dtype")
+    dtype = getattr(torch, value, None) if isinstance(value, str) else None
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None

@@ -96,3 +96,30 @@ def test_profile_reports_every_phase_in_plain_steps(tmp_path, capsys, monkeypatc
         assert row["round_in_plain_steps"] == pytest.approx(row["round_ms"] / profile["plain_step_ms"])
     assert (tmp_path / "cache" / "round_latency.json").is_file()  # first use measured this machine once
     assert "round / plain step" in capsys.readouterr().out
+
+
+def test_each_method_keeps_one_colour_whichever_methods_a_plot_shows():
+    every = bench.method_colours(bench.METHODS)
+    assert len(set(every.values())) == len(bench.METHODS)  # no two methods share a colour
+    tree_only = bench.method_colours(["treespark", "dspark_tree"])  # the by-depth plot has no plain greedy
+    assert tree_only == {"treespark": every["treespark"], "dspark_tree": every["dspark_tree"]}
+    assert bench.method_colours(["mine", "treespark"])["treespark"] == every["treespark"]
+
+
+def test_both_plots_draw_a_method_in_the_same_colour(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_hex
+
+    rows = [{"suite": "mtbench", "method": m, "label": bench.METHODS[m].label, "acceptance_length": 1.0 + i / 4,
+             "acceptance_by_depth": [] if m in ("plain", "prompt_lookup") else [0.6, 0.3, 0.1]}
+            for i, m in enumerate(bench.METHODS)]
+    report = {"results": rows, "config": {"dtype": "fp32", "tree_budget": 8}}
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figures to inspect their artists
+    bench.plot_report(report, tmp_path)
+    bars, depth = figures
+    bar_colours = {c.get_label(): to_hex(c.patches[0].get_facecolor()) for c in bars.axes[0].containers}
+    line_colours = {line.get_label(): to_hex(line.get_color()) for line in depth.axes[0].get_lines()}
+    assert set(line_colours) == {r["label"] for r in rows if r["acceptance_by_depth"]}  # no plain, no lookup
+    assert all(line_colours[label] == bar_colours[label] for label in line_colours)

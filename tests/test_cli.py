@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import signal
+import socket
+import subprocess
+import sys
 import types
 from pathlib import Path
 
@@ -10,8 +14,10 @@ import pytest
 import torch
 
 import hf_treespark
-from hf_treespark import assets
+from hf_treespark import assets, cli
 from hf_treespark.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
@@ -91,3 +97,108 @@ def test_push_uploads_the_drafter_with_its_card_without_network(tmp_path, monkey
     assert main(["push", "--drafter", str(drafter_dir), "--repo-id", "org/x/y"]) == 2
     assert "--repo-id 'org/x/y' is not a Hub repository id" in capsys.readouterr().err
     assert calls == []  # nothing was uploaded
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf", "warm"])
+def test_cli_refuses_a_temperature_that_is_not_a_finite_number_at_least_zero(value, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--prompt", "hi", "--temperature", value])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --temperature: must be a finite number >= 0 (0 = greedy), got '{value}'" in err
+
+
+def test_ctrl_c_ends_with_one_line_and_status_130(monkeypatch, capsys):
+    def interrupted(args):
+        print("partial answer", end="", flush=True)  # the streamer was mid-answer
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_generate", interrupted)
+    assert main(["generate", "--prompt", "hi"]) == 130
+    captured = capsys.readouterr()
+    assert captured.err == "\ntreespark: interrupted\n" and captured.out == "partial answer"
+
+
+@pytest.mark.slow
+def test_sigint_during_generate_exits_130_without_a_traceback():
+    command = [sys.executable, "-m", "hf_treespark.cli", "generate", "--prompt", "Write a long story about a tree.",
+               "--max-new-tokens", "1000"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
+    assert proc.stdout.read(1)  # the answer has started streaming: the models are loaded and decoding
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130
+    assert err.decode().strip().splitlines()[-1] == "treespark: interrupted"
+    assert "Traceback" not in err.decode()
+
+
+# ----- treespark demo: where to serve, checked before loading models -------------------------------------
+@pytest.fixture
+def demo_calls(monkeypatch):
+    """Record build_app/launch instead of loading models and serving."""
+    pytest.importorskip("gradio")
+    from hf_treespark import demo
+
+    calls = {}
+
+    def build_app(**kwargs):
+        calls["built"] = kwargs
+        return "app"
+
+    monkeypatch.setattr(demo, "build_app", build_app)
+    monkeypatch.setattr(demo, "launch", lambda app, **kwargs: calls.setdefault("launch", kwargs))
+    for name in ("GRADIO_SERVER_NAME", "GRADIO_SERVER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    return calls
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--port", "99999"], "--port 99999 is not a port number: choose one in 1-65535"),
+    (["--port", "0"], "--port 0 is not a port number"),
+    (["--host", "no such host!"], "--host 'no such host!' is not an address of this machine"),
+])
+def test_demo_refuses_an_address_before_loading_models(demo_calls, argv, message, capsys):
+    assert main(["demo", *argv]) == 2
+    assert message in capsys.readouterr().err
+    assert "built" not in demo_calls
+
+
+def test_demo_refuses_a_port_in_use_before_loading_models(demo_calls, capsys):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["demo", "--port", str(port)]) == 2
+    assert f"cannot serve on 127.0.0.1:{port}" in capsys.readouterr().err
+    assert "built" not in demo_calls
+
+
+def test_demo_honours_gradio_server_name_and_port_unless_flags_are_given(demo_calls, monkeypatch, capsys):
+    port, other = _free_port(), _free_port()
+    monkeypatch.setenv("GRADIO_SERVER_NAME", "localhost")
+    monkeypatch.setenv("GRADIO_SERVER_PORT", str(port))
+    assert main(["demo"]) == 0
+    assert demo_calls["launch"]["host"] == "localhost" and demo_calls["launch"]["port"] == port
+    demo_calls.clear()
+    assert main(["demo", "--host", "127.0.0.1", "--port", str(other)]) == 0
+    assert demo_calls["launch"]["host"] == "127.0.0.1" and demo_calls["launch"]["port"] == other
+    monkeypatch.setenv("GRADIO_SERVER_PORT", "http")
+    assert main(["demo"]) == 2
+    assert "GRADIO_SERVER_PORT='http' is not a port number" in capsys.readouterr().err
+
+
+def test_demo_defaults_to_127_0_0_1_port_7860(demo_calls):
+    with socket.socket() as probe:  # skip when something else already serves there
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", 7860))
+        except OSError:
+            pytest.skip("port 7860 is in use on this machine")
+    assert main(["demo"]) == 0
+    assert (demo_calls["launch"]["host"], demo_calls["launch"]["port"]) == ("127.0.0.1", 7860)

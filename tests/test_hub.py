@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import huggingface_hub
 import pytest
@@ -285,6 +286,32 @@ def test_invalid_config_field_raises_valueerror_naming_it(tmp_path, drafter, fie
         AutoModel.from_pretrained(tmp_path)
 
 
+@pytest.mark.parametrize(("field", "value", "form"), [
+    ("target_layer_ids", "1,8,14", r"expected a list of integer target layer ids, e\.g\. \[1, 8, 14\]"),
+    ("target_layer_ids", [1.5, 8], "expected a list of integer target layer ids"),
+    ("acceptance_profile", {"x": 1.2}, "expected a mapping from integer tree budgets to measured acceptance lengths"),
+    ("acceptance_profile", {"8": "fast"}, "expected a mapping from integer tree budgets"),
+    ("acceptance_profile", [1.2, 1.4], "expected a mapping from integer tree budgets"),
+])
+def test_config_field_of_the_wrong_form_names_the_field_and_the_expected_form(tmp_path, drafter, field, value, form):
+    save_drafter(drafter, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config[field] = value
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=f"TreeSparkConfig.{field}=.* is invalid: {form}"):
+        AutoModel.from_pretrained(tmp_path)
+    with pytest.raises(OSError, match=f"{tmp_path}.*TreeSparkConfig.{field}=.* is invalid: {form}"):
+        TreeSparkDrafter.from_pretrained(tmp_path)
+
+
+def test_integer_like_config_values_are_accepted():
+    import numpy as np
+
+    config = TreeSparkConfig(target_layer_ids=[np.int64(1), torch.tensor(8)], acceptance_profile={8: 1.5, "16": 2})
+    assert config.target_layer_ids == [1, 8] and all(type(i) is int for i in config.target_layer_ids)
+    assert config.acceptance_profile == {"8": 1.5, "16": 2.0}
+
+
 def test_misshaped_weight_is_refused(tmp_path, drafter):
     save_drafter(drafter, tmp_path)
     weights = load_file(tmp_path / "model.safetensors")
@@ -487,3 +514,166 @@ def test_plain_save_pretrained_writes_a_card_so_push_to_hub_uploads_one(tmp_path
     drafter.save_pretrained(tmp_path / "plain")
     card = (tmp_path / "plain" / "README.md").read_text()
     assert "treespark" in card.lower() and "assistant_model" in card
+
+
+@pytest.mark.parametrize("recorded", ["SmolLM2-135M-Instruct", "/root/.cache/hf_treespark/smollm2-135m-instruct"])
+def test_model_card_names_the_default_target_by_its_hub_id_with_license_and_pipeline_tag(target, recorded):
+    card = model_card(tiny_drafter(target, target_name_or_path=recorded), repo_id="me/drafter")
+    meta = front_matter(card)
+    assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert meta["license"] == "apache-2.0" and meta["pipeline_tag"] == "text-generation"
+    assert 'AutoModelForCausalLM.from_pretrained("HuggingFaceTB/SmolLM2-135M-Instruct")' in card
+    assert '"SmolLM2-135M-Instruct"' not in card  # never the bare local name where a Hub id belongs
+
+
+# ----- dtype on save ------------------------------------------------------------------------------------
+def stored_dtypes(directory) -> set[torch.dtype]:
+    return {t.dtype for t in load_file(directory / "model.safetensors").values()}
+
+
+def test_save_keeps_the_dtype_the_weights_were_stored_in(tmp_path, target):
+    tiny_drafter(target).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    loaded = TreeSparkDrafter.from_pretrained(tmp_path / "bf16", dtype=torch.float32)
+    assert loaded.dtype == torch.float32
+    loaded.save_pretrained(tmp_path / "again")
+    assert stored_dtypes(tmp_path / "again") == {torch.bfloat16}
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["dtype"] == "bfloat16"
+    size = os.path.getsize(tmp_path / "again" / "model.safetensors")
+    assert abs(size - os.path.getsize(tmp_path / "bf16" / "model.safetensors")) < 4096
+    assert loaded.dtype == torch.float32 and loaded.config.dtype == torch.float32  # the model in memory is untouched
+    assert_same_outputs(load_file(tmp_path / "again" / "model.safetensors"),
+                        load_file(tmp_path / "bf16" / "model.safetensors"))
+
+    loaded.save_pretrained(tmp_path / "asked", dtype=torch.float32)  # the caller asks otherwise
+    assert stored_dtypes(tmp_path / "asked") == {torch.float32}
+
+    with torch.no_grad():  # a weight that bfloat16 cannot hold (e.g. after fine-tuning): never rounded silently
+        loaded.fc.weight[0, 0] = 1.0 + 2.0**-12
+    loaded.save_pretrained(tmp_path / "tuned")
+    assert stored_dtypes(tmp_path / "tuned") == {torch.float32}
+    assert TreeSparkDrafter.from_pretrained(tmp_path / "tuned").fc.weight[0, 0].item() == 1.0 + 2.0**-12
+
+
+@pytest.mark.slow
+def test_default_drafter_saved_as_float32_in_memory_keeps_its_bfloat16_file(tmp_path):
+    from hf_treespark import assets
+
+    drafter = assets.load_default_drafter()  # float32 in memory
+    drafter.save_pretrained(tmp_path)
+    shipped = assets.DEFAULT_DRAFTER_DIR / "model.safetensors"
+    assert stored_dtypes(tmp_path) == stored_dtypes(assets.DEFAULT_DRAFTER_DIR) == {torch.bfloat16}
+    assert abs(os.path.getsize(tmp_path / "model.safetensors") - os.path.getsize(shipped)) < 64 * 1024
+    assert_same_outputs(load_file(tmp_path / "model.safetensors"), load_file(shipped))
+
+
+# ----- remote code without the package: a clear error, and custom_generate/ ---------------------------------
+NO_PACKAGE_SCRIPT = textwrap.dedent("""
+    import json, sys
+    try:
+        import hf_treespark  # noqa: F401
+    except ModuleNotFoundError:
+        pass
+    else:
+        raise SystemExit(f"hf_treespark is importable in this environment: {hf_treespark.__file__}")
+    import torch
+    from transformers import AutoModel, Qwen3ForCausalLM
+
+    drafter_dir, target_dir, out_file = sys.argv[1:4]
+    drafter = AutoModel.from_pretrained(drafter_dir, trust_remote_code=True).eval()
+    target = Qwen3ForCausalLM.from_pretrained(target_dir).eval()
+    ids = torch.tensor([[1, 5, 9, 17, 33]])
+    result = {"module": type(drafter).__module__, "drafter_has_generate": hasattr(drafter, "generate")}
+    try:
+        target.generate(ids, assistant_model=drafter, max_new_tokens=4)
+    except Exception as err:
+        result["assisted_error"] = f"{type(err).__name__}: {err}"
+    plain = target.generate(ids, do_sample=False, max_new_tokens=24)
+    out = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=24, custom_generate=drafter_dir,
+                          trust_remote_code=True, return_dict_in_generate=True)
+    result["plain"], result["tree"] = plain[0].tolist(), out.sequences[0].tolist()
+    result["rounds"], result["loop_module"] = len(out.rounds), type(out).__module__
+    json.dump(result, open(out_file, "w"))
+""")
+
+
+@pytest.fixture(scope="module")
+def package_free_python(tmp_path_factory) -> str:
+    """A virtual environment with this interpreter's torch and transformers but without hf_treespark.
+
+    A fresh venv (no system site-packages) whose one `.pth` line puts the project venv's site-packages
+    on `sys.path`. Python runs `.pth` files only in site directories, so the editable install's finder
+    hook in that directory never runs: `import hf_treespark` fails as it would for a user who never
+    installed it (the test runs with another working directory, so the checkout is not on the path).
+    """
+    import sysconfig
+
+    root = tmp_path_factory.mktemp("nopkg") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True, timeout=120)
+    python = str(root / "bin" / "python")
+    purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             check=True, capture_output=True, text=True).stdout.strip()
+    Path(purelib, "project_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return python
+
+
+def test_remote_code_without_the_package_says_what_to_install_and_custom_generate_decodes(
+        tmp_path, drafter, target, package_free_python):
+    save_drafter(drafter, tmp_path / "drafter")
+    target.save_pretrained(tmp_path / "target")
+    env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run([package_free_python, "-c", NO_PACKAGE_SCRIPT, str(tmp_path / "drafter"),
+                           str(tmp_path / "target"), str(tmp_path / "out.json")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert result["module"].startswith("transformers_modules")
+    assert not result["drafter_has_generate"]  # custom_generate/ does not replace anything on the drafter
+    assert result["assisted_error"].startswith("AttributeError: transformers' assisted decoding reached a TreeSpark")
+    assert "pip install hf_treespark" in result["assisted_error"] and "custom_generate=" in result["assisted_error"]
+    assert result["tree"] == result["plain"] and result["rounds"] > 0
+    assert result["loop_module"].startswith("transformers_modules") and "custom_generate" in result["loop_module"]
+
+
+def test_custom_generate_folder_holds_every_module_it_imports(tmp_path, drafter):
+    from transformers.dynamic_module_utils import get_imports, get_relative_import_files
+
+    from hf_treespark.hub import CUSTOM_GENERATE_MODULES
+
+    drafter.save_pretrained(tmp_path)
+    folder = tmp_path / "custom_generate"
+    assert sorted(p.name for p in folder.iterdir()) == sorted([*CUSTOM_GENERATE_MODULES, "generate.py"])
+    needed = get_relative_import_files(folder / "generate.py")
+    assert all(Path(f).is_file() for f in needed), [f for f in needed if not Path(f).is_file()]
+    for source in folder.iterdir():  # what transformers' check_imports asks the environment for
+        outside = {name for name in get_imports(source) if name not in sys.stdlib_module_names}
+        assert outside <= {"torch", "transformers", "tqdm"}, (source.name, outside)  # tqdm: a transformers dependency
+
+
+def test_custom_generate_recipe_with_the_package_imported_equals_plain_greedy(tmp_path, drafter, target):
+    save_drafter(drafter, tmp_path / "drafter")
+    ids = torch.tensor([[1, 5, 9, 17, 33]])
+    plain = target.generate(ids, do_sample=False, max_new_tokens=16)
+    out = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=16,
+                          custom_generate=str(tmp_path / "drafter"), trust_remote_code=True)
+    assert torch.equal(out, plain)
+
+
+def test_custom_generate_recipe_refuses_to_run_as_the_drafters_own_generate(drafter, target):
+    from hf_treespark.hub_generate import generate
+
+    with pytest.raises(RuntimeError, match="call it from the target"):
+        generate(model=drafter, assistant_model=drafter)
+    with pytest.raises(ValueError, match="needs the drafter too: pass assistant_model="):
+        generate(model=target, inputs=torch.tensor([[1, 2]]))
+
+
+def test_plain_assisted_path_without_the_routing_names_the_package(drafter, target, monkeypatch):
+    from transformers import GenerationMixin
+
+    from hf_treespark import integration
+
+    monkeypatch.setattr(GenerationMixin, "generate", integration._ORIGINAL_GENERATE)  # as if never imported
+    monkeypatch.setattr(GenerationMixin, "_get_candidate_generator", integration._ORIGINAL_CANDIDATE_GENERATOR)
+    with pytest.raises(AttributeError, match=r"pip install hf_treespark\) and `import hf_treespark`"):
+        target.generate(torch.tensor([[1, 5, 9]]), assistant_model=drafter, max_new_tokens=4)

@@ -1,0 +1,173 @@
+"""What a saved drafter directory carries besides its weights: the model card and `custom_generate/`.
+
+`TreeSparkDrafter.save_pretrained` writes both (when the package is installed), so this module must
+not import the modeling code: it reads the drafter's config only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+from .configuration import TreeSparkConfig
+
+CARD_NAME = "README.md"
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+
+
+# ----- model card ---------------------------------------------------------------------------------
+LICENSE = "apache-2.0"  # the package's license, which the drafter code in the repository is under
+PIPELINE_TAG = "text-generation"  # what the drafter is used for: the target's text generation
+
+
+def hub_target_id(name: str | None) -> str | None:
+    """The Hub id of a recorded target name: the offline default target's local name or cached copy maps
+    to `HuggingFaceTB/SmolLM2-135M-Instruct`; other names are returned unchanged."""
+    from .assets import DEFAULT_TARGET_CACHE_NAME, DEFAULT_TARGET_HUB_ID, DEFAULT_TARGET_NAME
+
+    if name and (name.lower() == DEFAULT_TARGET_NAME.lower()
+                 or os.path.basename(os.path.normpath(name)) == DEFAULT_TARGET_CACHE_NAME):
+        return DEFAULT_TARGET_HUB_ID
+    return name
+
+
+def model_card(drafter, acceptance_table: str | None = None, repo_id: str | None = None) -> str:
+    """A markdown model card for `drafter`: target pairing, architecture, tree policy, acceptance, usage.
+
+    Args:
+        drafter: the drafter (or anything with a `TreeSparkConfig` as `.config`).
+        acceptance_table: a markdown table of measured acceptance lengths, inserted verbatim. `None`
+            says that no measurement was recorded.
+        repo_id: the Hub id (or local path) the drafter will be loaded from, used in the usage snippet.
+    """
+    cfg: TreeSparkConfig = drafter.config
+    target = hub_target_id(cfg.target_name_or_path)
+    repo = repo_id or "path/or/repo-id-of-this-drafter"
+    target_ref = target or "the-target-model"
+
+    front = ["---", "library_name: hf_treespark", f"license: {LICENSE}", f"pipeline_tag: {PIPELINE_TAG}", "tags:",
+             "- treespark", "- speculative-decoding", "- drafter"]
+    if target and _REPO_ID.match(target):
+        front.append(f"base_model: {json.dumps(target)}")
+    front.append("---")
+
+    params = sum(p.numel() for p in drafter.parameters()) if hasattr(drafter, "parameters") else None
+    mask = (f"token id {cfg.mask_token_id} of the target's vocabulary" if cfg.mask_token_id is not None
+            else "a learned mask embedding owned by the drafter")
+    confidence = (f"yes: `c_k(y) = sigmoid(w . [h_k ; W1[y]] + b)`, input width {cfg.hidden_size + cfg.markov_rank}"
+                  if cfg.use_confidence_head else "no")
+    title = f"TreeSpark drafter for {target}" if target else "TreeSpark drafter"
+
+    lines = [
+        *front,
+        "",
+        f"# {title}",
+        "",
+        "A TreeSpark drafter: a DSpark-style parallel block drafter that drafts a block of "
+        f"{cfg.block_size} future tokens in one forward pass, conditioned on hidden states of its target model, "
+        "with a low-rank Markov head (parent-token correction) and a confidence head. `hf_treespark` grows a "
+        "candidate tree from its outputs and verifies the whole tree in one target forward, so decoding stays "
+        "lossless: the output is the target's own.",
+        "",
+        "The drafter shares the target's token embeddings and LM head; they are not stored here, and the drafter "
+        "refuses a target whose vocabulary, hidden size or depth differs from the one below.",
+        "",
+        "## Target pairing",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| target | `{target_ref}`{'' if target else ' (not recorded)'} |",
+        f"| target hidden size | {cfg.target_hidden_size} |",
+        f"| target vocabulary | {cfg.target_vocab_size} |",
+        f"| target layers | {cfg.target_num_hidden_layers} |",
+        f"| target_layer_ids | `{list(cfg.target_layer_ids)}` (read from `hidden_states[l + 1]`) |",
+        "",
+        "## Architecture",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| block size `B` | {cfg.block_size} |",
+        f"| draft layers | {cfg.num_hidden_layers} |",
+        f"| attention heads / KV heads | {cfg.num_attention_heads} / {cfg.num_key_value_heads} |",
+        f"| head_dim | {cfg.head_dim} |",
+        f"| MLP width | {cfg.intermediate_size} |",
+        f"| Markov rank `r` | {cfg.markov_rank} |",
+        f"| confidence head | {confidence} |",
+        f"| mask slots | {mask} |",
+    ]
+    if params is not None:
+        lines.append(f"| stored parameters | {params:,} |")
+    lines += [
+        "",
+        "## Tree policy defaults",
+        "",
+        "Each round drafts one block and grows a tree of depth up to `B` from it; the tree is verified in one "
+        "target forward. Every knob can be overridden per call (`tree_topk=`, `tree_frontier=`, `tree_budget=`).",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| tree_topk (children per frontier parent) | {cfg.tree_topk} |",
+        f"| tree_frontier (parents kept per depth) | {cfg.tree_frontier} |",
+        f"| tree_budget (tree nodes verified per round) | {cfg.tree_budget} |",
+        f"| max depth (block size) | {cfg.block_size} |",
+        "",
+        "## Measured acceptance",
+        "",
+    ]
+    if acceptance_table and acceptance_table.strip():
+        lines += [acceptance_table.strip()]
+    else:
+        lines += ["No acceptance table was recorded for this drafter."]
+    lines += [
+        "",
+        "## Usage",
+        "",
+        "```python",
+        "import hf_treespark  # registers the drafter with AutoModel and routes generate() to tree decoding",
+        "from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer",
+        "",
+        f'target = AutoModelForCausalLM.from_pretrained("{target_ref}")',
+        f'tokenizer = AutoTokenizer.from_pretrained("{target_ref}")',
+        f'drafter = AutoModel.from_pretrained("{repo}")',
+        'inputs = tokenizer("Write a haiku about trees.", return_tensors="pt")',
+        "out = target.generate(**inputs, assistant_model=drafter, max_new_tokens=128)",
+        "print(tokenizer.decode(out[0], skip_special_tokens=True))",
+        "```",
+        "",
+        "Without the package: the drafter code and the tree decoding loop also ship with this repository "
+        "(`custom_generate/`, transformers' `custom_generate` recipe), so remote code alone decodes:",
+        "",
+        "```python",
+        f'drafter = AutoModel.from_pretrained("{repo}", trust_remote_code=True)',
+        "out = target.generate(**inputs, assistant_model=drafter, max_new_tokens=128,",
+        f'                      custom_generate="{repo}", trust_remote_code=True)',
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# ----- custom_generate/: tree decoding without the package ------------------------------------------
+CUSTOM_GENERATE_DIR = "custom_generate"
+# The package modules that `hub_generate.py` needs (it and they import only torch, transformers and each
+# other). Adjust when the decoding loop's modules change; a test checks the set is closed under imports.
+CUSTOM_GENERATE_MODULES = ("budget.py", "configuration.py", "engine.py", "generation.py", "integration.py", "lookup.py",
+                           "modeling.py", "storage.py", "tree.py", "verify.py")
+
+
+def write_custom_generate(save_directory: str | os.PathLike) -> Path:
+    """Write `custom_generate/` into a drafter directory: `generate.py` (from `hub_generate.py`) and copies of
+    `CUSTOM_GENERATE_MODULES`, so that `target.generate(..., assistant_model=drafter,
+    custom_generate=<directory or repo>, trust_remote_code=True)` decodes without the package. Returns the folder."""
+    package = Path(__file__).parent
+    folder = Path(save_directory) / CUSTOM_GENERATE_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(package / "hub_generate.py", folder / "generate.py")
+    for name in CUSTOM_GENERATE_MODULES:
+        shutil.copyfile(package / name, folder / name)
+    return folder
+
+

@@ -1,0 +1,98 @@
+"""TreeSpark inside transformers' own clients: pipelines, stop strings, assisted-decoding knobs."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from conftest import make_drafter, make_target
+from transformers import GenerationConfig, pipeline
+
+from hf_treespark import assets, integration
+
+PROMPT = "List the planets of the solar system, one per line."
+
+
+@pytest.fixture(scope="module")
+def real():
+    """The offline default target, its tokenizer and the shipped drafter (real text, real stop strings)."""
+    target, tokenizer = assets.load_default_target()
+    return target, tokenizer, assets.load_default_drafter()
+
+
+@pytest.mark.slow
+def test_pipeline_built_with_the_drafter_and_called_with_it_equal_plain_greedy(real):
+    target, tokenizer, drafter = real
+    plain = pipeline("text-generation", model=target, tokenizer=tokenizer)
+    built = pipeline("text-generation", model=target, tokenizer=tokenizer, assistant_model=drafter)
+    assert built.assistant_model is drafter and built.assistant_tokenizer is None
+    args = {"max_new_tokens": 24, "do_sample": False, "return_full_text": False}
+    reference = plain(PROMPT, **args)[0]["generated_text"]
+    assert built(PROMPT, **args)[0]["generated_text"] == reference
+    assert plain(PROMPT, assistant_model=drafter, **args)[0]["generated_text"] == reference
+
+
+@pytest.mark.slow
+def test_pipeline_loads_a_drafter_given_as_a_directory(real, tmp_path):
+    target, tokenizer, drafter = real
+    drafter.save_pretrained(tmp_path / "drafter")
+    built = pipeline("text-generation", model=target, tokenizer=tokenizer, assistant_model=str(tmp_path / "drafter"))
+    assert built.assistant_model.config.model_type == "treespark"
+    args = {"max_new_tokens": 12, "do_sample": False, "return_full_text": False}
+    reference = pipeline("text-generation", model=target, tokenizer=tokenizer)(PROMPT, **args)
+    assert built(PROMPT, **args) == reference
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", [["Mars"], ["\n\n", "Earth"]])
+def test_stop_strings_end_where_plain_greedy_ends(real, stop):
+    target, tokenizer, drafter = real
+    inputs = assets.chat_inputs(tokenizer, PROMPT)
+    args = {"max_new_tokens": 60, "do_sample": False, "stop_strings": stop, "tokenizer": tokenizer}
+    reference = target.generate(**inputs, **args)
+    assert reference.shape[1] < inputs["input_ids"].shape[1] + 60  # the stop string really ended it
+    out = target.generate(**inputs, assistant_model=drafter, **args)
+    assert torch.equal(out, reference)
+    via_config = GenerationConfig(max_new_tokens=60, do_sample=False, stop_strings=stop)
+    out = target.generate(**inputs, assistant_model=drafter, generation_config=via_config, tokenizer=tokenizer)
+    assert torch.equal(out, reference)
+
+
+def test_stop_strings_without_a_tokenizer_name_both_arguments(llama_pair):
+    target, drafter = llama_pair
+    with pytest.raises(ValueError, match="stop_strings needs the tokenizer: pass tokenizer="):
+        target.generate(torch.tensor([[1, 5, 9]]), assistant_model=drafter, stop_strings=["x"], max_new_tokens=4)
+
+
+def test_assisted_decoding_knobs_are_ignored_with_one_warning_each(llama_pair, monkeypatch):
+    target, drafter = llama_pair
+    monkeypatch.setattr(integration, "_WARNED_IGNORED", set())
+    ids = torch.tensor([[1, 5, 9, 17]])
+    reference = target.generate(ids, do_sample=False, max_new_tokens=12)
+    knobs = {"num_assistant_tokens": 3, "num_assistant_tokens_schedule": "heuristic",
+             "assistant_confidence_threshold": 0.9, "prompt_lookup_num_tokens": 2}
+    with pytest.warns(UserWarning) as caught:
+        out = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=12, **knobs)
+    assert torch.equal(out, reference)
+    message = str(caught[0].message)
+    assert all(name in message for name in knobs) and "ignores" in message
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same knobs again: no second warning in this process
+        out = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=12, **knobs)
+    assert torch.equal(out, reference)
+    config = GenerationConfig(do_sample=False, max_new_tokens=12, assistant_early_exit=2)
+    with pytest.warns(UserWarning, match="assistant_early_exit"):
+        out = target.generate(ids, assistant_model=drafter, generation_config=config)
+    assert torch.equal(out, reference)
+    assert config.assistant_early_exit == 2  # the caller's config is not modified
+
+
+def test_no_warning_without_assisted_knobs(monkeypatch):
+    target = make_target("qwen3")
+    drafter = make_drafter(target)
+    monkeypatch.setattr(integration, "_WARNED_IGNORED", set())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        target.generate(torch.tensor([[1, 5, 9]]), assistant_model=drafter, do_sample=False, max_new_tokens=6,
+                        generation_config=GenerationConfig(do_sample=False, max_new_tokens=6))
