@@ -32,8 +32,10 @@ from .tree import TreePolicy
 
 BAND_COLOURS = ("#ffd6a5", "#b9fbc0", "#a3c4f3", "#fdffb6", "#ffc6ff", "#98f5e1", "#cfbaf0", "#ffadad")
 PREFILL_COLOUR = "#e4e4e4"
+LOOKUP_COLOUR = "#8e24aa"  # outline of tree nodes that a lookup branch proposed
 # Range of each control; the sliders use it and `check_request` enforces it for API callers.
-LIMITS = {"max_new_tokens": (1, 1024), "tree_budget": (1, 128), "tree_topk": (1, 8), "temperature": (0.0, 2.0)}
+LIMITS = {"max_new_tokens": (1, 1024), "tree_budget": (1, 128), "tree_topk": (1, 8), "temperature": (0.0, 2.0),
+          "tree_lookup": (0, 7)}
 EXAMPLE_PROMPT = "Explain what a binary search does."
 
 
@@ -48,6 +50,7 @@ class DemoSettings:
     chain: bool = False
     temperature: float = 0.0
     compare: bool = False
+    tree_lookup: int | None = None
 
     def sampling_kwargs(self) -> dict:
         if self.temperature > 0:
@@ -60,6 +63,8 @@ class DemoSettings:
             knobs["tree_budget"] = self.tree_budget
         if self.tree_topk is not None:
             knobs["tree_topk"] = self.tree_topk
+        if self.tree_lookup is not None:
+            knobs["tree_lookup"] = self.tree_lookup
         return knobs
 
 
@@ -73,11 +78,11 @@ def check_request(prompt: str | None, settings: DemoSettings) -> str | None:
         return f"The prompt must be text, got {prompt!r}."
     if prompt is None or not prompt.strip():
         return "The prompt is empty: type a question or an instruction first."
-    for name in ("max_new_tokens", "tree_budget", "tree_topk", "temperature"):
+    for name in ("max_new_tokens", "tree_budget", "tree_topk", "temperature", "tree_lookup"):
         value = getattr(settings, name)
         low, high = LIMITS[name]
         label = name.replace("_", " ")
-        if value is None and name in ("tree_budget", "tree_topk"):
+        if value is None and name in ("tree_budget", "tree_topk", "tree_lookup"):
             continue  # the drafter config's value
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             return f"{label} must be a number between {low:g} and {high:g}, got {value!r}."
@@ -318,9 +323,11 @@ class DemoRun:
     def stats(self) -> dict:
         """The live figures: rounds, tokens, acceptance length, tokens/s, and the plain comparison."""
         lengths = self.committed_lengths
+        records = self.output.rounds if self.output is not None else []
         figures = {
             "num_rounds": len(lengths),
             "new_tokens": self.num_new_tokens,
+            "lookup_tokens": sum(r.lookup_accepted for r in records),
             "acceptance_length": sum(lengths) / len(lengths) if lengths else 0.0,
             "tokens_per_s": self.tokens_per_second(),
             "seconds": self.seconds,
@@ -350,6 +357,7 @@ class DemoRun:
             "committed_ids": None if record is None else record.committed,
             "num_accepted": None if record is None else record.num_accepted,
             "tree_size": None if record is None else record.tree_size,
+            "lookup_accepted": None if record is None else record.lookup_accepted,
             "bonus": band.bonus,
         } for i, (band, record) in enumerate(zip(self.bands[1:], records, strict=False))]
         stats = self.stats()
@@ -420,6 +428,8 @@ def render_stats(stats: dict, status: str = "") -> str:
         ("new tokens", f"{stats['new_tokens']}", f"in {stats['seconds']:.1f} s"),
         ("tokens/s", f"{stats['tokens_per_s']:.1f}", "TreeSpark"),
     ]
+    if stats.get("lookup_tokens"):
+        tiles.append(("from lookup", f"{stats['lookup_tokens']}", "accepted tokens only a lookup branch drafted"))
     plain = stats.get("plain")
     if plain is not None:
         speedup = "–" if plain["speedup"] is None else f"{plain['speedup']:.2f}×"
@@ -507,6 +517,7 @@ def render_tree(record: RoundRecord, labels: dict[int, str] | Callable[[int], st
                      f'{x2:.1f},{y2:.1f}" fill="none" stroke="{colour}" stroke-width="{stroke}"/>')
     node_style = {"accepted": ("#c8e6c9", "#2e7d32", "#111"), "packed": ("#e3f2fd", "#64b5f6", "#111"),
                   "pruned": ("#ffffff", "#cfcfcf", "#9e9e9e")}
+    from_lookup = cand.get("lookup") or [False] * num_cand
     for c in [-1, *range(num_cand)]:
         x, y = pos[c]
         if c == -1:
@@ -514,18 +525,22 @@ def render_tree(record: RoundRecord, labels: dict[int, str] | Callable[[int], st
         else:
             token, score, kind = cand["tokens"][c], cand["scores"][c], status[c]
             fill, stroke, ink = node_style[kind]
+            if from_lookup[c]:
+                stroke = LOOKUP_COLOUR
         outline = ' stroke-dasharray="3,2"' if kind == "pruned" else ""
         if c == bonus_hit and c != -1:
             stroke, outline = "#f9a825", ' stroke-width="2.5"'
         text = label(token)
         short = text if len(text) <= 9 else text[:8] + "…"
-        state = "root (x0)" if c == -1 else f"depth {cand['depths'][c]}, {kind}"
+        state = "root (x0)" if c == -1 else f"depth {cand['depths'][c]}, {kind}" + (
+            ", from a lookup branch" if from_lookup[c] else "")
         title = f"{text!r} · {state}" + ("" if score is None else f" · score {score:.3f}")
         score_text = "" if score is None else (
             f'<text x="{x + NODE_W - 4:.1f}" y="{y + 14:.1f}" text-anchor="end" font-size="10" '
             f'fill="{ink}" opacity="0.75">{score:.2f}</text>')
         nodes.append(
-            f'<g class="ts-node ts-{kind}" data-candidate="{c}"><title>{html.escape(title)}</title>'
+            f'<g class="ts-node ts-{kind}{" ts-lookup" if c >= 0 and from_lookup[c] else ""}" '
+            f'data-candidate="{c}"><title>{html.escape(title)}</title>'
             f'<rect x="{x:.1f}" y="{y:.1f}" width="{NODE_W}" height="{NODE_H}" rx="4" fill="{fill}" '
             f'stroke="{stroke}"{outline}/>'
             f'<text x="{x + 5:.1f}" y="{y + 14:.1f}" font-size="12" font-family="ui-monospace,monospace" '
@@ -537,7 +552,9 @@ def render_tree(record: RoundRecord, labels: dict[int, str] | Callable[[int], st
         + (" (drafted, but not packed)" if bonus_hit is not None and status[bonus_hit] == "pruned" else ""))
     caption = (f'<div class="ts-tree-caption" style="margin-bottom:4px">'
                f'<b>Round {round_index + 1} of {num_rounds}</b> · packed {record.tree_size} of {num_cand} candidates '
-               f'· accepted {record.num_accepted}: <span style="background:{band_colour(round_index)};'
+               f'· accepted {record.num_accepted}'
+               + (f" ({record.lookup_accepted} from lookup)" if record.lookup_accepted else "")
+               + f': <span style="background:{band_colour(round_index)};'
                f'padding:1px 4px;border-radius:3px">{committed or "–"}</span>{bonus}</div>')
     legend = ('<div class="ts-legend" style="font-size:12px;color:#444;margin-bottom:4px">'
               + swatch("#424242", "#424242", "root (last committed token)")
@@ -545,6 +562,7 @@ def render_tree(record: RoundRecord, labels: dict[int, str] | Callable[[int], st
               + swatch("#e3f2fd", "#64b5f6", "packed and verified, rejected")
               + swatch("#fff", "#cfcfcf", "proposed, pruned by packing")
               + swatch("#fff", "#f9a825", "carries the target's bonus token")
+              + swatch("#fff", LOOKUP_COLOUR, "from a lookup branch (earlier text)")
               + " · number = joint score Σ log p</div>")
     svg = (f'<svg class="ts-tree-svg" xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
            f'viewBox="0 0 {width:.0f} {height:.0f}">{"".join(edges)}{"".join(nodes)}</svg>')
@@ -649,9 +667,9 @@ def build_app(target=None, tokenizer=None, drafter=None, *, target_name: str | N
         return answer, stats, histogram, slider, tree, run.result(), warning, records
 
     def generate(prompt, max_new_tokens, tree_budget, tree_topk, chain, temperature, compare,
-                 request: gr.Request):
+                 tree_lookup: int | None = None, request: gr.Request = None):
         settings = DemoSettings(max_new_tokens=max_new_tokens, tree_budget=tree_budget, tree_topk=tree_topk,
-                                chain=chain, temperature=temperature, compare=compare)
+                                chain=chain, temperature=temperature, compare=compare, tree_lookup=tree_lookup)
         problem = check_request(prompt, settings)
         if problem:
             gr.Warning(problem)
@@ -734,6 +752,9 @@ def build_app(target=None, tokenizer=None, drafter=None, *, target_name: str | N
                                       label="children per parent (top-k)", elem_id="ts-topk")
                 chain = gr.Checkbox(label="chain instead of tree (plain DSpark drafting: one path)", value=False,
                                     elem_id="ts-chain")
+                tree_lookup = gr.Slider(*LIMITS["tree_lookup"], value=config.tree_lookup, step=1, precision=0,
+                                        label="lookup tokens per branch (continuations of earlier text; 0 = off)",
+                                        elem_id="ts-lookup")
                 temperature = gr.Slider(*LIMITS["temperature"], value=0.0, step=0.05,
                                         label="temperature (0 = greedy)", elem_id="ts-temperature")
                 compare = gr.Checkbox(label="also run plain decoding: speedup and exactness check", value=True,
@@ -758,7 +779,7 @@ def build_app(target=None, tokenizer=None, drafter=None, *, target_name: str | N
         records = gr.State(None)
 
         outputs = [answer, stats, histogram, round_slider, tree, result, message, records]
-        controls = [prompt, max_new_tokens, tree_budget, tree_topk, chain, temperature, compare]
+        controls = [prompt, max_new_tokens, tree_budget, tree_topk, chain, temperature, compare, tree_lookup]
         # preprocess=False: `generate` gets the raw values and `check_request` answers bad ones readably.
         generate_btn.click(generate, controls, outputs, api_name="generate", concurrency_limit=1, preprocess=False)
         prompt.submit(generate, controls, outputs, api_name=False, concurrency_limit=1, preprocess=False)

@@ -103,6 +103,21 @@ def test_tree_drawing_marks_accepted_packed_and_pruned_candidates():
     assert page.count('class="ts-node ts-accepted"') == 1 and "&lt;a&gt;" in page
     assert page.count('class="ts-node ts-packed"') == 2 and page.count('class="ts-node ts-pruned"') == 1
     assert "packed 3 of 4 candidates" in page and "drafted, but not packed" in page
+    assert "ts-lookup" not in page
+
+
+def test_tree_drawing_marks_lookup_nodes_and_counts_their_tokens():
+    tree = {
+        "tokens": [10, 11, 12], "parents": [-1, 0, 1], "depths": [0, 1, 2], "scores": [0.0, -0.1, -0.7],
+        "lookup": [False, False, True],
+        "candidates": {"tokens": [11, 12], "parents": [-1, 0], "depths": [1, 2], "scores": [-0.1, -0.7],
+                       "packed": [True, True], "node_index": [1, 2], "lookup": [False, True]},
+    }
+    record = RoundRecord(tree_size=2, num_accepted=2, accepted_path=[1, 2], committed=[11, 12, 13], tree=tree,
+                         lookup_accepted=1)
+    page = render_tree(record, {10: "a", 11: "b", 12: "c", 13: "d"}, 0, 1)
+    assert page.count("ts-lookup") == 1 and "from a lookup branch" in page
+    assert "accepted 2 (1 from lookup)" in page
 
 
 def test_histogram_counts_rounds_per_committed_length():
@@ -169,10 +184,18 @@ def client(app_url):
 
 
 def _generate(client, prompt, max_new_tokens=MAX_NEW_TOKENS, budget=8, topk=4, chain=False, temperature=0.0,
-              compare=True) -> dict:
-    """The /generate endpoint's JSON result (its sixth output)."""
-    outputs = client.predict(prompt, max_new_tokens, budget, topk, chain, temperature, compare, api_name="/generate")
+              compare=True, lookup=None) -> dict:
+    """The /generate endpoint's JSON result (its sixth output); `lookup` None: the 7-argument call."""
+    args = (prompt, max_new_tokens, budget, topk, chain, temperature, compare)
+    outputs = client.predict(*args, *(() if lookup is None else (lookup,)), api_name="/generate")
     return outputs[5]
+
+
+@pytest.mark.slow
+def test_api_with_lookup_branches_equals_plain_greedy_and_counts_lookup_tokens(client, plain_greedy):
+    result = _generate(client, PROMPT, lookup=5)
+    assert result["error"] is None and result["new_token_ids"] == plain_greedy
+    assert result["lookup_tokens"] == sum(r["lookup_accepted"] for r in result["rounds"])
 
 
 @pytest.mark.slow

@@ -47,3 +47,22 @@ def test_reference_acceptance_summarises_every_anchor():
     rates = result["depth_rates"]
     assert len(rates) == policy.depth and all(a >= b for a, b in zip(rates, rates[1:], strict=False))
     assert result["acceptance_length"] == pytest.approx(1 + sum(rates))
+
+
+def test_training_with_eval_every_writes_and_plots_a_learning_curve(tmp_path):
+    from training_setup import tiny_references, tiny_trainer
+
+    from hf_treespark.training.evaluate import plot_learning_curve, read_curve
+
+    trainer = tiny_trainer(tmp_path, max_steps=4, eval_every=2, eval_budget=4)
+    trainer.set_dev_set(tiny_references(trainer.target, count=2))
+    trainer.train(progress=False)
+    curve = read_curve(tmp_path / "metrics.jsonl")
+    assert [row["step"] for row in curve] == [0, 2, 4]
+    assert [row["anchors_seen"] for row in curve][0] == 0
+    assert curve[1]["anchors_seen"] == 2 * 2 * 8 and curve[2]["anchors_seen"] == 4 * 2 * 8  # steps x batch x anchors
+    assert all(row["dev_budget"] == 4 and row["dev_acceptance_length"] >= 1 for row in curve)
+    png = plot_learning_curve(tmp_path / "metrics.jsonl", tmp_path / "curve.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    resumed = tiny_trainer(tmp_path, max_steps=4, eval_every=2, eval_budget=4)
+    assert resumed.resume() and resumed.anchors_seen == curve[2]["anchors_seen"]

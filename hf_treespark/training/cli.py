@@ -67,6 +67,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensorboard", action="store_true", help="log metrics to OUTPUT_DIR for TensorBoard")
     p.add_argument("--seed", type=int, default=0, help="drafter initialisation, data order and anchors")
     p.add_argument("--loss", type=json.loads, default={}, help='loss overrides, e.g. \'{"surv": 1.0}\'')
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="optimizer steps between learning-curve points: acceptance on a development set, written to "
+                        "OUTPUT_DIR/metrics.jsonl and plotted to OUTPUT_DIR/learning_curve.png (0: off)")
+    p.add_argument("--eval-budget", type=int, default=8, help="tree budget N of those evaluations")
+    p.add_argument("--dev-data", help="development references (JSONL with prompt_ids and response_ids, the target's "
+                                      "greedy answers); default: held-out ShareGPT prompts answered once by the target "
+                                      "into OUTPUT_DIR/dev_references.jsonl")
     p.add_argument("--push-to-hub", help="repository id to push the trained drafter to")
 
 
@@ -74,7 +81,11 @@ def check_arguments(args: argparse.Namespace) -> None:
     """Refuse option values that would train nothing or something other than asked, before loading anything."""
     at_least_one = ("num_prompts", "regen_batch_size", "regen_max_new_tokens", "draft_layers", "heads", "kv_heads",
                     "intermediate_size", "markov_rank", "max_length", "batch_size", "grad_accum", "anchors",
-                    "save_every")
+                    "save_every", "eval_budget")
+    if args.eval_every < 0:
+        raise ValueError(f"--eval-every must be >= 0 (got {args.eval_every}); 0 turns the learning curve off")
+    if args.dev_data and not Path(args.dev_data).is_file():
+        raise FileNotFoundError(f"--dev-data {args.dev_data}: no such file")
     for name in at_least_one:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)})")
@@ -159,6 +170,20 @@ def regenerate(args: argparse.Namespace, target, tokenizer, accelerator, out: Pa
     return regen
 
 
+def dev_references(args: argparse.Namespace, target, tokenizer, accelerator, out: Path):
+    """`--dev-data`, or the default development set, answered by the target once (main process) and cached."""
+    from .data import load_references
+    from .evaluate import build_dev_set
+
+    if args.dev_data:
+        return load_references(args.dev_data, vocab_size=target.config.vocab_size)
+    path = out / "dev_references.jsonl"
+    if accelerator.is_main_process:
+        build_dev_set(target, tokenizer, path)
+    accelerator.wait_for_everyone()
+    return load_references(path)
+
+
 def run(args: argparse.Namespace) -> int:
     """Train as the options say; save the drafter to OUTPUT_DIR/final (and push it if asked)."""
     from .data import load_references
@@ -172,10 +197,12 @@ def run(args: argparse.Namespace) -> int:
                          batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
                          weight_decay=args.weight_decay, adam_eps=args.adam_eps,
                          anchors_per_sequence=args.anchors, save_every=args.save_every, seed=args.seed,
-                         feature_cache=cache, tensorboard=args.tensorboard, loss=LossConfig(**args.loss))
+                         feature_cache=cache, tensorboard=args.tensorboard, eval_every=args.eval_every,
+                         eval_budget=args.eval_budget, loss=LossConfig(**args.loss))
     # First, before anything else touches accelerate's state: under torchrun this joins the process group.
     accelerator = build_accelerator(config)
-    target, tokenizer = load_target(args.target, with_tokenizer=bool(args.regenerate))
+    needs_dev_set = args.eval_every > 0 and not args.dev_data
+    target, tokenizer = load_target(args.target, with_tokenizer=bool(args.regenerate) or needs_dev_set)
     data = [Path(p) for p in args.data]
     if args.regenerate:
         data.append(regenerate(args, target, tokenizer, accelerator, out))
@@ -185,7 +212,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"no usable reference sequences in {', '.join(map(str, data))} (see the warnings above)")
     drafter = build_drafter(args, target)
     trainer = Trainer(config, target, drafter, references, accelerator=accelerator)
+    if args.eval_every:
+        trainer.set_dev_set(dev_references(args, target, tokenizer, accelerator, out))
     result = trainer.train()
+    if args.eval_every and accelerator.is_main_process:
+        from .evaluate import plot_learning_curve
+
+        print(f"learning curve: {plot_learning_curve(out / 'metrics.jsonl', out / 'learning_curve.png')}")
     if accelerator.is_main_process:
         from ..hub import push_drafter_to_hub, save_drafter
 

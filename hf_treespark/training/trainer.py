@@ -68,6 +68,8 @@ class TrainConfig:
     tensorboard: bool = False
     feature_cache: str | None = None  # directory of cached target features (None: target forward per step)
     mixed_precision: str = "auto"  # "auto": bf16 on CUDA devices that support it, else fp32
+    eval_every: int = 0  # optimizer steps between development-set evaluations (0: none)
+    eval_budget: int = 8  # tree budget N of those evaluations
     loss: LossConfig = field(default_factory=LossConfig)
 
     def __post_init__(self):
@@ -77,7 +79,9 @@ class TrainConfig:
             self.loss = LossConfig(**self.loss)
         for name, value in PRESETS[self.preset][0].items():
             setattr(self.loss, name, value)
-        for name in ("batch_size", "grad_accum", "anchors_per_sequence", "save_every", "log_every"):
+        if self.eval_every < 0:
+            raise ValueError(f"eval_every must be >= 0 (got {self.eval_every}); 0 turns evaluation off")
+        for name in ("batch_size", "grad_accum", "anchors_per_sequence", "save_every", "log_every", "eval_budget"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1 (got {getattr(self, name)})")
         if self.max_steps is not None and self.max_steps < 1:
@@ -342,7 +346,9 @@ class Trainer:
             signature = cache_signature(self.target, drafter.config.target_layer_ids)
             self.feature_cache = FeatureCache(config.feature_cache, signature)
         self.step = 0  # optimizer steps done
+        self.anchors_seen = 0  # training anchors in those steps, over all processes
         self.pad_id = 0
+        self.dev_references = None  # `set_dev_set`: references of the learning curve
 
     # ----- checkpoints ---------------------------------------------------------------------------
     @property
@@ -363,7 +369,8 @@ class Trainer:
         acc.wait_for_everyone()
         acc.save_state(str(tmp))
         if acc.is_main_process:
-            state = {"step": self.step, "config": _jsonable(self.config), "drafter_config": self._drafter_fields()}
+            state = {"step": self.step, "anchors_seen": self.anchors_seen, "config": _jsonable(self.config),
+                     "drafter_config": self._drafter_fields()}
             (tmp / "trainer_state.json").write_text(json.dumps(state))
             if final.exists():  # the same step written by an earlier run of this output dir
                 shutil.rmtree(final)
@@ -428,6 +435,7 @@ class Trainer:
                                f"a full disk), move it out of {self.checkpoint_dir} and start again: training "
                                "resumes from the checkpoint before it.") from err
         self.step = int(state["step"])
+        self.anchors_seen = int(state.get("anchors_seen", 0))
         return True
 
     # ----- training -----------------------------------------------------------------------------
@@ -460,6 +468,7 @@ class Trainer:
         feats, ref_hidden = self._features(batch)
         anchors, anchor_valid = sample_anchors(batch["lengths"], batch["prompt_lens"], batch["indices"],
                                                cfg.anchors_per_sequence, cfg.seed, epoch)
+        self.anchors_seen += int(anchor_valid.sum()) * acc.num_processes  # ranks draw alike-sized batches
         with acc.accumulate(self.objective), acc.autocast():
             parts = self.objective(batch["input_ids"].to(device), batch["attention_mask"].to(device),
                                    batch["lengths"].to(device), feats, ref_hidden, anchors.to(device),
@@ -501,6 +510,8 @@ class Trainer:
             self.output_dir.mkdir(parents=True, exist_ok=True)
         if cfg.tensorboard:
             acc.init_trackers("treespark", config={k: v for k, v in _jsonable(cfg).items() if not isinstance(v, dict)})
+        if cfg.eval_every and self.step == 0:
+            self.evaluate(metrics_path)  # the curve starts at the untrained (or --init-from) drafter
         bar = tqdm(total=self.total_steps, initial=self.step, desc=f"training ({cfg.preset})",
                    disable=not (progress and acc.is_main_process))
         start_time, start_step, done_now, last = time.perf_counter(), self.step, 0, {}
@@ -522,6 +533,8 @@ class Trainer:
                             f.write(json.dumps(record) + "\n")
                     if cfg.tensorboard:
                         acc.log(record, step=self.step)
+                if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == self.total_steps):
+                    self.evaluate(metrics_path)
                 if self.step % cfg.save_every == 0 or self.step == self.total_steps:
                     self.save_checkpoint()
                 if self.step >= self.total_steps or (stop_after is not None and done_now >= stop_after):
@@ -531,6 +544,32 @@ class Trainer:
         if cfg.tensorboard:
             acc.end_training()
         return {"steps": self.step - start_step, "seconds": seconds, "last": last}
+
+    def set_dev_set(self, references) -> None:
+        """The development references (`training.evaluate.build_dev_set`) that `eval_every` measures on."""
+        if not references:
+            raise ValueError("the development set is empty")
+        self.dev_references = references
+
+    def evaluate(self, metrics_path: Path) -> dict:
+        """Acceptance on the development set (`training.evaluate.reference_acceptance`), appended to metrics."""
+        from .evaluate import reference_acceptance
+
+        if self.dev_references is None:
+            raise ValueError("eval_every needs a development set: call set_dev_set(references) (treespark train "
+                             "builds one from held-out ShareGPT prompts, or reads --dev-data)")
+        record = {"step": self.step, "anchors_seen": self.anchors_seen}
+        if self.accelerator.is_main_process:
+            drafter = self.unwrapped_drafter()
+            result = reference_acceptance(self.target, drafter, self.dev_references,
+                                          self.policy.with_budget(self.config.eval_budget))
+            record.update(dev_acceptance_length=result["acceptance_length"], dev_depth_rates=result["depth_rates"],
+                          dev_anchors=result["anchors"], dev_budget=self.config.eval_budget)
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        self.accelerator.wait_for_everyone()
+        return record
 
     def unwrapped_drafter(self):
         return self.accelerator.unwrap_model(self.objective).drafter
