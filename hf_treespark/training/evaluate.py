@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from ..tree import TreePolicy, build_tree
-from .data import ReferenceSequence, collate_references, load_references, regenerate_responses, sharegpt_prompts
+from .data import ReferenceSequence, collate_references, load_references, regenerate_responses, sharegpt_chat_prompts
 from .trainer import target_features
 
 DEV_PROMPTS = slice(400, 432)  # held-out ShareGPT prompts that the benchmark and calibration never draw
@@ -32,7 +32,7 @@ def build_dev_set(target, tokenizer, path: str | Path, prompts: slice = DEV_PROM
                   batch_size: int = 8, progress: bool = True) -> list[ReferenceSequence]:
     """The development references at `path` (JSONL), generated greedily by `target` the first time."""
     path = Path(path)
-    chosen = sharegpt_prompts("heldout", limit=prompts.stop)[prompts]
+    chosen = sharegpt_chat_prompts("heldout", limit=prompts.stop)[prompts]
     regenerate_responses(target, tokenizer, chosen, path, batch_size=batch_size, max_new_tokens=max_new_tokens,
                          progress=progress)  # resumable: prompts already in the file are skipped
     return load_references(path)
