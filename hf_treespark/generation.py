@@ -51,7 +51,7 @@ class RoundRecord:
         """The record of an engine round whose `committed` tokens (possibly cut by a stop) were kept."""
         accepted = min(rnd.num_accepted, len(committed))
         return cls(tree_size=rnd.tree.num_nodes, num_accepted=accepted,
-                   accepted_path=rnd.acceptance.path[0, 1:len(committed) + 1].tolist(), committed=committed,
+                   accepted_path=rnd.acceptance.path[0, 1:accepted + 1].tolist(), committed=committed,
                    tree=tree_record_dict(rnd.tree) if keep_tree else None,
                    lookup_accepted=rnd.lookup_accepted(accepted))
 

@@ -102,6 +102,7 @@ def test_oracle_trees_accept_deep_and_non_contiguous_paths(llama_pair):
                           return_dict_in_generate=True)
     assert torch.equal(out.sequences, ref)
     assert out.acceptance_length > 2.0
+    assert all(len(r.accepted_path) == r.num_accepted and min(r.accepted_path, default=1) >= 1 for r in out.rounds)
     non_contiguous = [r for r in out.rounds if r.accepted_path != list(range(1, len(r.accepted_path) + 1))]
     assert non_contiguous, "no round accepted a path through non-adjacent chunk entries"
 

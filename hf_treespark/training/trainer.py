@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from ..engine import feature_indices, select_features
+from ..engine import target_features
 from ..tree import TreePolicy
 from .data import check_token_ids, collate_references
 from .losses import normalise
@@ -119,13 +119,6 @@ def sample_anchors(lengths: torch.Tensor, prompt_lens: torch.Tensor, indices: to
         anchors[row, : len(picked)] = picked
         valid[row, : len(picked)] = True
     return anchors, valid
-
-
-@torch.no_grad()
-def target_features(target, layer_ids: list[int], input_ids: torch.Tensor, attention_mask: torch.Tensor):
-    """One frozen-target forward: `([b, T, n_layers * d], [b, T, d])` = selected layers, final normed state."""
-    out = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
-    return select_features(out.hidden_states, feature_indices(layer_ids)), out.hidden_states[-1]
 
 
 def _sequence_digest(input_ids: list[int]) -> str:
