@@ -51,10 +51,10 @@ METHODS = {
     for m in (
         Method("plain", "plain greedy", None),
         Method("prompt_lookup", "prompt lookup", None, {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}),
-        Method("dspark", "DSpark (chain)", "dspark", {"tree_chain": True}),
-        Method("dspark_tree", "DSpark + Tree", "dspark_tree", {}),
-        Method("treespark_chain", "TreeSpark drafter, chain", "treespark", {"tree_chain": True}),
-        Method("treespark", "TreeSpark", "treespark", {}),
+        Method("dspark", "DSpark (chain)", "dspark", {"tree_chain": True, "tree_lookup": 0}),
+        Method("dspark_tree", "DSpark + Tree", "dspark_tree", {"tree_lookup": 0}),
+        Method("treespark_chain", "TreeSpark drafter, chain", "treespark", {"tree_chain": True, "tree_lookup": 0}),
+        Method("treespark", "TreeSpark", "treespark", {"tree_lookup": 0}),
         Method("treespark_lookup", "TreeSpark + lookup", "treespark", {"tree_lookup": LOOKUP_TOKENS}),
     )
 }

@@ -75,7 +75,8 @@ def latency_key(target, drafter, policy: TreePolicy, context: int) -> str:
                                             "num_attention_heads", "num_key_value_heads", "intermediate_size",
                                             "vocab_size")),
         "drafter:" + _shape_signature(drafter.config, ("num_hidden_layers", "num_attention_heads", "head_dim",
-                                                       "intermediate_size", "markov_rank", "block_size")),
+                                                       "intermediate_size", "markov_rank", "block_size",
+                                                       "draft_vocab_size")),
         f"policy:k={policy.topk},F={policy.frontier},D={policy.depth}",
         f"context={context}",
     ])

@@ -122,7 +122,8 @@ def cmd_draft_vocab(args) -> int:
     tokenizer = AutoTokenizer.from_pretrained(args.target or assets.default_target_path())
     counts = count_token_ids(args.data, tokenizer)
     drafter = TreeSparkDrafter.from_pretrained(drafter_dir, dtype="auto")  # keep the stored precision
-    ids = rank_token_ids(counts, args.size, drafter.config.target_vocab_size)
+    current = None if drafter.draft_vocab_ids is None else drafter.draft_vocab_ids.tolist()
+    ids = rank_token_ids(counts, args.size, drafter.config.target_vocab_size, allowed=current)
     drafter.restrict_vocabulary(ids)
     drafter.save_pretrained(output)
     print(f"[draft-vocab] {len(counts)} distinct ids in {sum(counts.values())} tokens; the {args.size} most "

@@ -48,18 +48,25 @@ def count_token_ids(paths: Iterable[str | Path], tokenizer=None) -> Counter:
     return counts
 
 
-def rank_token_ids(counts: Counter, size: int, vocab_size: int) -> list[int]:
-    """The `size` most frequent ids (ties to the smaller id), padded with the smallest unseen ids when the
-    data has fewer distinct ids than `size`. Every id must be below `vocab_size`."""
-    if not 0 < size <= vocab_size:
-        raise ValueError(f"draft vocabulary size {size} must lie in [1, {vocab_size}]")
+def rank_token_ids(counts: Counter, size: int, vocab_size: int, allowed: list[int] | None = None) -> list[int]:
+    """The `size` most frequent ids (ties to the smaller id), padded when the data has fewer distinct ids.
+
+    Every counted id must be below `vocab_size`. `allowed`: the drafter's current draft vocabulary (most
+    useful first) when it is already restricted: only those ids can be kept, and padding follows their order.
+    Without it, padding takes the smallest unseen ids.
+    """
+    limit = vocab_size if allowed is None else len(allowed)
+    if not 0 < size <= limit:
+        raise ValueError(f"draft vocabulary size {size} must lie in [1, {limit}]")
     bad = [i for i in counts if i >= vocab_size]
     if bad:
         raise ValueError(f"the data holds token id {max(bad)}, outside the target's vocabulary [0, {vocab_size}): "
                          "was it tokenised for another model?")
-    ranked = [i for i, _ in sorted(counts.items(), key=lambda item: (-item[1], item[0]))][:size]
+    pool = set(range(vocab_size)) if allowed is None else set(allowed)
+    ranked = [i for i, _ in sorted(counts.items(), key=lambda item: (-item[1], item[0])) if i in pool][:size]
     seen = set(ranked)
-    ranked += [i for i in range(vocab_size) if i not in seen][: size - len(ranked)]
+    order = range(vocab_size) if allowed is None else allowed
+    ranked += [i for i in order if i not in seen][: size - len(ranked)]
     return ranked
 
 

@@ -3,8 +3,8 @@
     python scripts/ship_drafter.py runs/cmp-treespark/final [--table bench_results/results.md]
 
 Stores bf16 weights (the package carries the modeling code, so no remote-code copies and no
-`auto_map`), keeps the drafter's `acceptance_profile`, sets `tree_budget="auto"` and writes the
-model card with the given acceptance table.
+`auto_map`), keeps the drafter's `acceptance_profile` and draft vocabulary, sets `tree_budget="auto"`
+and `tree_lookup`, and writes the model card with the given acceptance table.
 """
 
 from __future__ import annotations
@@ -27,10 +27,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("drafter", help="trained drafter directory (e.g. runs/treespark/final)")
     parser.add_argument("--table", help="markdown file with the acceptance table for the model card")
     parser.add_argument("--budget", default="auto", help="tree budget to ship ('auto' or an integer)")
+    parser.add_argument("--lookup", type=int, default=0, help="tokens per lookup branch to ship (0 = off)")
     args = parser.parse_args(argv)
 
     drafter = TreeSparkDrafter.from_pretrained(args.drafter, dtype=torch.bfloat16)
     drafter.config.tree_budget = args.budget if args.budget == "auto" else int(args.budget)
+    drafter.config.tree_lookup = args.lookup
     drafter.config.validate_fields()
     table = Path(args.table).read_text() if args.table else None
     staging = DEFAULT_DRAFTER_DIR.with_name("default_drafter.staging")

@@ -126,6 +126,7 @@ def test_ranking_counts_ids_and_texts_and_names_bad_lines(tmp_path):
     assert ranked == [5, 9, 2, 7]
     assert rank_token_ids(counts, 7, VOCAB) == [5, 9, 2, 7, 8, 0, 1]  # padded with the smallest unseen ids
     assert coverage(counts, ranked) == pytest.approx(7 / 8)
+    assert rank_token_ids(counts, 3, VOCAB, allowed=[9, 40, 7, 41]) == [9, 7, 40]  # a restricted drafter's ids
     with pytest.raises(ValueError, match="outside the target's vocabulary"):
         rank_token_ids(Counter({VOCAB + 3: 1}), 2, VOCAB)
     data.write_text('{"response_ids": [1, 2]}\n{not json}\n')
