@@ -565,14 +565,12 @@ def _run_profile(args, target, tokenizer, drafters: dict, suites: list[str]) -> 
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m hf_treespark.bench`: the same as `treespark bench`, with its one-line errors."""
-    parser = argparse.ArgumentParser(prog="treespark bench", description=__doc__.split("\n")[0])
+    from .help_format import DefaultsHelpFormatter, run_script
+
+    parser = argparse.ArgumentParser(prog="treespark bench", description=__doc__.split("\n")[0],
+                                     formatter_class=DefaultsHelpFormatter)
     add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run_from_args(args)
-    except (OSError, ValueError, RuntimeError) as err:
-        print(f"treespark: error: {err}", file=sys.stderr)
-        return 2
+    return run_script(parser, run_from_args, argv)
 
 
 if __name__ == "__main__":

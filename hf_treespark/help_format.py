@@ -1,9 +1,11 @@
-"""How the `treespark` commands format `--help`: every option with its default."""
+"""What the `treespark` commands share: `--help` with every default, and one-line errors."""
 
 from __future__ import annotations
 
 import argparse
 import copy
+import sys
+from collections.abc import Callable
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -20,3 +22,14 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.Raw
             action = copy.copy(action)
             action.help = "(default: %(default)s)"
         return super()._format_action(action)
+
+
+def run_script(parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace], int],
+               argv: list[str] | None = None) -> int:
+    """Parse `argv`, call `run(args)`, and turn bad input into one `prog: error: ...` line (exit status 2)."""
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except (OSError, ValueError, RuntimeError) as err:
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        return 2

@@ -325,6 +325,29 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
         return self.config.proposal_vocab_size
 
     @torch.no_grad()
+    def full_vocabulary(self) -> TreeSparkDrafter:
+        """Propose from the whole target vocabulary again (the inverse of `restrict_vocabulary`, for training).
+
+        The Markov head's `W2` rows of the ids outside the draft vocabulary start at zero (no parent
+        correction), as a fresh drafter's do; the kept rows are unchanged.
+        """
+        if self.draft_vocab_ids is None:
+            return self
+        w2 = self.markov_head.markov_w2
+        full = nn.Linear(w2.in_features, self.config.target_vocab_size, bias=False).to(w2.weight.device,
+                                                                                      w2.weight.dtype)
+        full.weight.zero_()
+        full.weight[self.draft_vocab_ids] = w2.weight
+        full.zero_init = True
+        self.markov_head.markov_w2 = full
+        self.register_buffer("draft_vocab_ids", None)
+        self.config.draft_vocab_size = None
+        if self.is_bound:
+            embed, head, _ = self.__dict__["_target_modules"]
+            self.__dict__["_target_modules"] = (embed, head, head.weight)
+        return self
+
+    @torch.no_grad()
     def restrict_vocabulary(self, token_ids) -> TreeSparkDrafter:
         """Propose only `token_ids` (target ids, most useful first) from now on; no retraining needed.
 

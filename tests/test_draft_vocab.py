@@ -57,6 +57,18 @@ def test_restricting_keeps_the_full_drafters_distribution_on_the_kept_ids():
     assert small.config.draft_vocab_size == len(DRAFT_IDS) and small.draft_vocab_size == len(DRAFT_IDS)
 
 
+def test_full_vocabulary_undoes_a_restriction_for_training():
+    target = make_target("llama")
+    full = make_drafter(target)
+    again = make_drafter(target).restrict_vocabulary(DRAFT_IDS).full_vocabulary()
+    assert again.draft_vocab_ids is None and again.config.draft_vocab_size is None
+    parents = torch.tensor([[5, 6, 7]])
+    kept = full.markov_bias(parents)[..., DRAFT_IDS]
+    assert torch.equal(again.markov_bias(parents)[..., DRAFT_IDS], kept)
+    others = [i for i in range(VOCAB) if i not in DRAFT_IDS]
+    assert not again.markov_bias(parents)[..., others].any()  # no parent correction yet for the other ids
+
+
 def test_restrict_refuses_ids_outside_the_current_vocabulary():
     target = make_target("llama")
     drafter = restricted(target)

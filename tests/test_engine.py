@@ -129,6 +129,7 @@ def test_training_init_from_the_shipped_auto_budget_drafter_runs(tmp_path):
                          log_every=1)
     trainer = Trainer(config, target, drafter, refs)
     assert trainer.policy.budget == TreePolicy().budget and not trainer.policy.auto
+    assert drafter.draft_vocab_ids is None  # the shipped draft vocabulary is widened for training
     before = drafter.fc.weight.detach().clone()
     trainer.train(progress=False)
     assert trainer.step == 2 and not torch.equal(before, drafter.fc.weight)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from .trainer import PRESETS
@@ -238,13 +237,8 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     """`examples/train_drafter.py`: parse, train, and turn bad input into one `prog: error: ...` line."""
-    from ..help_format import DefaultsHelpFormatter
+    from ..help_format import DefaultsHelpFormatter, run_script
 
     parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=DefaultsHelpFormatter)
     add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except (OSError, ValueError, RuntimeError) as err:
-        print(f"{parser.prog}: error: {err}", file=sys.stderr)
-        return 2
+    return run_script(parser, run, argv)
