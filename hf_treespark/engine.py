@@ -19,6 +19,7 @@ and the tree/verification modules, so it can ship as remote code.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -54,8 +55,14 @@ def select_features(hidden_states: tuple[torch.Tensor, ...], indices: list[int])
 
 @torch.no_grad()
 def target_features(target, layer_ids: list[int], input_ids: torch.Tensor, attention_mask: torch.Tensor):
-    """One frozen-target forward: `([b, T, n_layers * d], [b, T, d])` = selected layers, final normed state."""
-    out = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
+    """One frozen-target forward: `([b, T, n_layers * d], [b, T, d])` = selected layers, final normed state.
+
+    Logits are computed for the last position only where the target supports `logits_to_keep` (the
+    LM head over every position is a quarter of a small target's forward, and none of it is used).
+    """
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(target.forward).parameters else {}
+    out = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False,
+                 **extra)
     return select_features(out.hidden_states, feature_indices(layer_ids)), out.hidden_states[-1]
 
 

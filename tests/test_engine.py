@@ -129,10 +129,13 @@ def test_training_init_from_the_shipped_auto_budget_drafter_runs(tmp_path):
                          log_every=1)
     trainer = Trainer(config, target, drafter, refs)
     assert trainer.policy.budget == TreePolicy().budget and not trainer.policy.auto
-    assert drafter.draft_vocab_ids is None  # the shipped draft vocabulary is widened for training
+    ids = drafter.draft_vocab_ids.clone()  # trained in its own draft vocabulary
     before = drafter.fc.weight.detach().clone()
+    w2_before = drafter.markov_head.markov_w2.weight.detach().clone()
     trainer.train(progress=False)
     assert trainer.step == 2 and not torch.equal(before, drafter.fc.weight)
+    assert torch.equal(drafter.draft_vocab_ids, ids) and drafter.markov_head.markov_w2.weight.shape == w2_before.shape
+    assert not torch.equal(w2_before, drafter.markov_head.markov_w2.weight)
 
 
 def test_auto_budget_never_measures_inside_generate(tmp_path, monkeypatch):

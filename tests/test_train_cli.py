@@ -180,3 +180,28 @@ def test_a_run_sigkilled_during_a_checkpoint_write_resumes_to_the_uninterrupted_
     b = load_file(run / "final" / "model.safetensors")
     for key in a:
         assert torch.allclose(a[key], b[key], atol=1e-6, rtol=0), key
+
+
+def test_draft_vocab_size_trains_over_the_most_frequent_response_ids(tiny_files, tmp_path, capsys):
+    from collections import Counter
+
+    from hf_treespark.modeling import TreeSparkDrafter
+
+    assert train(tiny_files, tmp_path / "run", "--max-steps", "2", "--draft-vocab-size", "40") == 0
+    assert "[draft vocabulary] 40 ids cover" in capsys.readouterr().out
+    drafter = TreeSparkDrafter.from_pretrained(tmp_path / "run" / "final")
+    assert drafter.config.draft_vocab_size == 40 and drafter.markov_head.markov_w2.weight.shape[0] == 40
+    counts = Counter()
+    for ref in load_references(tiny_files[1]):
+        counts.update(ref.input_ids[ref.prompt_len:])
+    most = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+    assert drafter.draft_vocab_ids.tolist()[: min(40, len(most))] == [i for i, _ in most[:40]]
+    # A run resumed with the same option rebuilds the same vocabulary and goes on.
+    assert train(tiny_files, tmp_path / "run", "--max-steps", "3", "--draft-vocab-size", "40") == 0
+    assert "(to step 3 of 3)" in capsys.readouterr().out
+
+
+def test_a_negative_draft_vocab_size_is_refused(tiny_files, tmp_path, capsys):
+    assert train(tiny_files, tmp_path / "run", "--draft-vocab-size", "-5") == 2
+    assert "--draft-vocab-size must be >= 0 (got -5)" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

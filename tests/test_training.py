@@ -188,8 +188,8 @@ def _snapshot(trainer):
     return {k: v.detach().clone() for k, v in trainer.unwrapped_drafter().state_dict().items()}
 
 
-def _evaluate(trainer):
-    """All loss terms on a fixed batch, without updating."""
+def _batch_parts(trainer):
+    """The objective's `(numerator, denominator)` terms and its inputs on a fixed batch, without updating."""
     from hf_treespark.training.trainer import _collate, target_features
 
     refs = trainer.references[:4]
@@ -200,11 +200,49 @@ def _evaluate(trainer):
     with torch.no_grad():
         parts = trainer.objective(batch["input_ids"], batch["attention_mask"], batch["lengths"], feats, hidden,
                                   anchors, valid)
+    return parts, batch, anchors, valid
+
+
+def _evaluate(trainer):
+    """All loss terms on a fixed batch, without updating."""
+    parts, _, _, _ = _batch_parts(trainer)
     return {k: (n / d).item() for k, (n, d) in parts.items()}
 
 
-def test_short_run_lowers_the_losses_and_keeps_the_target_frozen(tmp_path):
-    trainer = tiny_trainer(tmp_path, max_steps=40, save_every=100)
+def test_a_draft_vocabulary_of_every_id_trains_exactly_as_the_full_vocabulary(tmp_path):
+    """Restricting to a permutation of the whole vocabulary permutes every distribution: all five terms agree."""
+    full = tiny_trainer(tmp_path / "full")
+    vocab = full.target.config.vocab_size
+    permuted = torch.randperm(vocab, generator=torch.Generator().manual_seed(3)).tolist()
+    restricted = tiny_trainer(tmp_path / "restricted", draft_vocab=permuted)
+    assert restricted.drafter.draft_vocab_size == vocab
+    a, _, _, _ = _batch_parts(full)
+    b, _, _, _ = _batch_parts(restricted)
+    assert set(a) == set(b) == {"ce", "l1", "conf", "surv", "cov"}
+    for name in a:
+        for x, y in zip(a[name], b[name]):
+            assert torch.allclose(x, y, rtol=1e-4, atol=1e-5), (name, x, y)
+
+
+def test_reference_tokens_outside_the_draft_vocabulary_leave_only_the_ce_term(tmp_path):
+    trainer = tiny_trainer(tmp_path, draft_vocab=list(range(0, 128, 2)))  # every even id of the 128
+    parts, batch, anchors, anchor_valid = _batch_parts(trainer)
+    bsz = trainer.drafter.config.block_size
+    pos = anchors[:, :, None] + torch.arange(1, bsz + 1)
+    valid = (pos < batch["lengths"][:, None, None]) & anchor_valid[:, :, None]
+    tokens = batch["input_ids"].gather(1, pos.clamp(max=batch["input_ids"].shape[1] - 1).flatten(1)).view_as(pos)
+    w = depth_weights(bsz, LossConfig().gamma)
+    in_vocab = tokens % 2 == 0
+    assert 0 < in_vocab[valid].float().mean() < 1  # the batch has tokens on both sides
+    assert torch.isclose(parts["ce"][1], (w * (valid & in_vocab)).sum())
+    assert torch.isclose(parts["l1"][1], (w * valid).sum())  # distributions on S are compared on every row
+    assert all(torch.isfinite(n) for n, _ in parts.values())
+
+
+@pytest.mark.parametrize("draft_vocab", [None, "even ids"])
+def test_short_run_lowers_the_losses_and_keeps_the_target_frozen(tmp_path, draft_vocab):
+    kept = None if draft_vocab is None else list(range(0, 128, 2))
+    trainer = tiny_trainer(tmp_path, max_steps=40, save_every=100, draft_vocab=kept)
     target_before = {k: v.clone() for k, v in trainer.target.state_dict().items()}
     drafter_before = _snapshot(trainer)
     before = _evaluate(trainer)

@@ -19,12 +19,16 @@ def tiny_references(target, count: int = 8, prompt_len: int = 5, new_tokens: int
     return refs
 
 
-def tiny_trainer(output_dir, preset: str = "treespark", batch_size: int = 2, max_steps: int = 6, **overrides):
+def tiny_trainer(output_dir, preset: str = "treespark", batch_size: int = 2, max_steps: int = 6,
+                 draft_vocab: list[int] | None = None, **overrides):
+    """A Trainer on a tiny random Llama; `draft_vocab` restricts the drafter to those target ids first."""
     target = make_target("llama")
     refs = tiny_references(target)
     drafter = make_drafter(target, tree_budget=10).float()
     with torch.no_grad():
         drafter.markov_head.markov_w2.weight.zero_()
+    if draft_vocab is not None:
+        drafter.restrict_vocabulary(draft_vocab)
     fields = dict(anchors_per_sequence=8, lr=2e-3, save_every=3, log_every=1)
     fields.update(overrides)
     config = TrainConfig(output_dir=str(output_dir), preset=preset, max_steps=max_steps, batch_size=batch_size,

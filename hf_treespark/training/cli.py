@@ -46,6 +46,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-dim", type=int, help="override the preset's head dim")
     p.add_argument("--intermediate-size", type=int, default=1536, help="drafter MLP width")
     p.add_argument("--markov-rank", type=int, default=256, help="rank r of the Markov head")
+    p.add_argument("--draft-vocab-size", type=int,
+                   help="train over the N target ids most frequent in the responses of the data (a draft vocabulary: "
+                        "the LM-head work shrinks by V/N); 0 = the whole vocabulary; default: the drafter's own "
+                        "(the whole vocabulary for a fresh drafter)")
     p.add_argument("--mask-token-id", type=int, help=f"spare token id for mask slots (default: "
                    f"{DEFAULT_MASK_TOKEN_ID} for --target default, else a learned mask embedding)")
     p.add_argument("--max-length", type=int, default=512, help="tokens per reference sequence (longer are cut)")
@@ -91,6 +95,9 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.max_steps is not None and args.max_steps < 1:
         raise ValueError(f"--max-steps must be at least 1 (got {args.max_steps}); leave it out to train for "
                          "--epochs epochs")
+    if args.draft_vocab_size is not None and args.draft_vocab_size < 0:
+        raise ValueError(f"--draft-vocab-size must be >= 0 (got {args.draft_vocab_size}); 0 trains over the whole "
+                         "vocabulary")
     for name in ("head_dim", "max_sequences"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -145,6 +152,28 @@ def build_drafter(args: argparse.Namespace, target):
         fields["target_name_or_path"] = assets.DEFAULT_TARGET_NAME
     torch.manual_seed(args.seed)
     return TreeSparkDrafter(TreeSparkConfig.for_target(target, **fields))
+
+
+def set_draft_vocabulary(drafter, size: int | None, references):
+    """`--draft-vocab-size`: restrict `drafter` to the `size` ids most frequent in the references' responses
+    (0: widen it to the whole vocabulary; None: leave it as it is). Deterministic in the data, so a resumed
+    run rebuilds the same vocabulary."""
+    from collections import Counter
+
+    from ..draft_vocab import coverage, rank_token_ids
+
+    if size is None:
+        return drafter
+    drafter.full_vocabulary()
+    if size == 0:
+        return drafter
+    counts = Counter()
+    for ref in references:
+        counts.update(ref.input_ids[ref.prompt_len:])
+    ids = rank_token_ids(counts, size, drafter.config.target_vocab_size)
+    print(f"[draft vocabulary] {size} ids cover {coverage(counts, ids):.2%} of the {sum(counts.values())} "
+          "response tokens")
+    return drafter.restrict_vocabulary(ids)
 
 
 def _answered(path: Path, ids: set[str]) -> int:
@@ -209,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
                                  vocab_size=target.config.vocab_size)
     if not references:
         raise ValueError(f"no usable reference sequences in {', '.join(map(str, data))} (see the warnings above)")
-    drafter = build_drafter(args, target)
+    drafter = set_draft_vocabulary(build_drafter(args, target), args.draft_vocab_size, references)
     trainer = Trainer(config, target, drafter, references, accelerator=accelerator)
     if args.eval_every:
         trainer.set_dev_set(dev_references(args, target, tokenizer, accelerator, out))

@@ -37,6 +37,7 @@ class LossConfig:
     coverage_top_j: int = 8
     coverage_margin: float = 0.5
     coverage_cap: float = 2.0
+    replay_anchors: int | None = None  # replay the tree from this many evenly spaced anchors per sequence (None: all)
 
     def coefficient(self, name: str) -> float:
         return getattr(self, name)
@@ -44,7 +45,7 @@ class LossConfig:
 
 def replay_losses(drafter, depth_logits: torch.Tensor, roots: torch.Tensor, reference_probs: torch.Tensor,
                   valid: torch.Tensor, policy: TreePolicy, weights: torch.Tensor, cfg: LossConfig,
-                  ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+                  draft_index: torch.Tensor | None = None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Replay the deployed tree policy from each anchor and return the survival and coverage terms.
 
     depth_logits `[N, B, V]` (differentiable), roots `[N]` anchor tokens, reference_probs `[N, B, V]`
@@ -54,7 +55,7 @@ def replay_losses(drafter, depth_logits: torch.Tensor, roots: torch.Tensor, refe
     with gradient, so the Markov head learns on model-selected parent tokens. Both terms are summed
     depth by depth, so no `[N, C, V]` tensor is ever materialised.
     """
-    tree = build_tree(depth_logits.detach(), drafter.markov_bias, roots, policy)
+    tree = build_tree(depth_logits.detach(), drafter.markov_bias, roots, policy, drafter.draft_vocab_ids)
     cand = tree.candidates
     n, num_cand = cand.tokens.shape
     zero = depth_logits.new_zeros(())
@@ -65,6 +66,8 @@ def replay_losses(drafter, depth_logits: torch.Tensor, roots: torch.Tensor, refe
         logp = torch.log_softmax(depth_logits[:, k - 1, None, :].float() + drafter.markov_bias(parent_tok), -1)
         flat_ids = child_ids.reshape(n, -1)
         child_tok = cand.tokens.gather(1, flat_ids).view(n, num_parents, topk)
+        if draft_index is not None:
+            child_tok = draft_index[child_tok]
         child_logp = logp.gather(-1, child_tok)  # [N, P, k], differentiable
         q_k = reference_probs[:, k - 1]  # [N, V]
         parent_mass = torch.ones_like(parent_tok, dtype=mass.dtype) if k == 1 else mass.gather(1, parent_cand)
@@ -99,12 +102,13 @@ class TrainingObjective(nn.Module):
 
     def __init__(self, drafter, loss_config: LossConfig, policy: TreePolicy):
         super().__init__()
-        if drafter.draft_vocab_ids is not None:
-            raise ValueError(f"this drafter has a draft vocabulary (draft_vocab_size="
-                             f"{drafter.config.draft_vocab_size}); training runs on full-vocabulary drafters: "
-                             "train one, then restrict it with "
-                             "`treespark draft-vocab` (restricting needs no retraining)")
         self.drafter = drafter
+        draft_index = None
+        if drafter.draft_vocab_ids is not None:  # target id -> column of the draft vocabulary, -1 outside it
+            ids = drafter.draft_vocab_ids
+            draft_index = torch.full((drafter.config.target_vocab_size,), -1, dtype=torch.long, device=ids.device)
+            draft_index[ids] = torch.arange(ids.numel(), device=ids.device)
+        self.register_buffer("draft_index", draft_index, persistent=False)
         self.loss_config = loss_config
         self.policy = policy
 
@@ -116,6 +120,13 @@ class TrainingObjective(nn.Module):
         reference_hidden `[b, T, d]` the target's final (normed) hidden states, so that
         `q_j = softmax(lm_head(reference_hidden[j]))` predicts token `j + 1`; anchors `[b, A]`
         positions `a` (anchor token `x_a`, context `< a`), anchor_valid `[b, A]`.
+
+        With a draft vocabulary `S` every distribution lives on `S`: `p_k` is the drafter's softmax over
+        `S` and `q_k` the target's softmax over the LM-head rows of `S` (renormalised on `S`; the mass
+        outside it, 0.2% of response tokens at |S| = 16,384, is dropped), so `L_l1`, `L_conf`, `L_surv`
+        and `L_cov` compare distributions the drafter can actually match. `L_ce` skips the rows whose
+        reference token lies outside `S` (the drafter cannot propose it; at inference such a round commits
+        the target's bonus token). Cost: the LM-head work of every term shrinks by `V / |S|`.
         """
         cfg = self.loss_config
         drafter = self.drafter
@@ -145,17 +156,28 @@ class TrainingObjective(nn.Module):
         logits = depth_logits + drafter.markov_bias(parents)  # teacher-forced p_k(. | y_{k-1})
         vocab = logits.shape[-1]
         flat_logits, flat_q = logits.reshape(-1, vocab), reference_probs.reshape(-1, vocab)
+        targets, ce_w = tokens[:, :, 1:].reshape(-1), row_w
+        if self.draft_index is not None:  # columns of S; rows whose token lies outside S leave L_ce
+            targets = self.draft_index[targets]
+            ce_w = row_w * (targets >= 0).float()
+            targets = targets.clamp(min=0)
         losses = {
-            "ce": reference_ce_loss(flat_logits, tokens[:, :, 1:].reshape(-1), row_w),
+            "ce": reference_ce_loss(flat_logits, targets, ce_w),
             "l1": l1_distribution_loss(flat_logits, flat_q, row_w),
         }
         if drafter.confidence_head is not None and cfg.conf > 0:
             conf_logits = drafter.confidence_logit(hidden, parents).reshape(-1)
             losses["conf"] = confidence_loss(conf_logits, flat_logits, flat_q, row_w)
         if cfg.surv > 0 or cfg.cov > 0:
+            # The replay's per-parent Markov rows dominate a step's cost: `replay_anchors` thins them
+            # (both terms are normalised by their own mass, so thinning changes variance, not scale).
+            keep = torch.arange(num_anchors, device=device)
+            if cfg.replay_anchors is not None and cfg.replay_anchors < num_anchors:
+                keep = torch.linspace(0, num_anchors - 1, cfg.replay_anchors, device=device).round().long().unique()
+            r = keep.numel()
             losses.update(replay_losses(
-                drafter, depth_logits.reshape(b * num_anchors, bsz, vocab), tokens[:, :, 0].reshape(-1),
-                reference_probs.reshape(b * num_anchors, bsz, vocab), valid.reshape(b * num_anchors, bsz),
-                self.policy, w, cfg,
+                drafter, depth_logits[:, keep].reshape(b * r, bsz, vocab), tokens[:, keep, 0].reshape(-1),
+                reference_probs[:, keep].reshape(b * r, bsz, vocab), valid[:, keep].reshape(b * r, bsz),
+                self.policy, w, cfg, self.draft_index,
             ))
         return losses

@@ -318,10 +318,6 @@ class Trainer:
         self.references = references
         self.output_dir = Path(config.output_dir)
         self.target = target.eval().requires_grad_(False).to(self.accelerator.device)
-        if drafter.draft_vocab_ids is not None:  # e.g. --init-from the shipped drafter
-            logger.warning("the drafter has a draft vocabulary of %d ids: training it over the whole vocabulary "
-                           "(restrict it again afterwards with `treespark draft-vocab`)", drafter.draft_vocab_size)
-            drafter.full_vocabulary()
         self.drafter = drafter.train().to(self.accelerator.device)
         self.drafter.bind_target(self.target)
         cfg = drafter.config
