@@ -9,6 +9,7 @@ from transformers import AutoConfig, AutoModel
 
 from . import integration
 from .configuration import TreeSparkConfig
+from .cpu_gemm import pack_linear_layers, unpack_linear_layers
 from .generation import RoundRecord, TreeSparkCandidateGenerator, TreeSparkGenerateOutput
 from .modeling import TreeSparkDrafter
 from .tree import DraftTree, TreePolicy, build_tree
@@ -34,18 +35,21 @@ def generate(target, drafter, input_ids=None, **kwargs):
     return integration.treespark_generate(target, drafter, input_ids, **kwargs)
 
 
-def load_default_target(dtype="auto", **kwargs):
-    """`(model, tokenizer)` of the offline default target, SmolLM2-135M-Instruct (`assets.load_default_target`)."""
-    from .assets import load_default_target as _load
+def load_default_target(dtype="auto", device="cpu", cpu_pack="auto"):
+    """`(model, tokenizer)` of the offline default target, SmolLM2-135M-Instruct (`loading.load_target`).
 
-    return _load(dtype=dtype, **kwargs)
+    On a CPU its linear layers use prepacked oneDNN kernels unless `cpu_pack=False` (`cpu_gemm.py`).
+    """
+    from .loading import load_target
+
+    return load_target(None, dtype=dtype, device=device, cpu_pack=cpu_pack)
 
 
-def load_default_drafter(dtype="auto", **kwargs):
-    """The TreeSpark drafter shipped in the package, for SmolLM2-135M-Instruct (`assets.load_default_drafter`)."""
-    from .assets import load_default_drafter as _load
+def load_default_drafter(dtype="auto", device="cpu", cpu_pack="auto"):
+    """The TreeSpark drafter shipped in the package, for SmolLM2-135M-Instruct (`loading.load_drafter`)."""
+    from .loading import load_drafter
 
-    return _load(dtype=dtype, **kwargs)
+    return load_drafter(None, dtype=dtype, device=device, cpu_pack=cpu_pack)
 
 
 __all__ = [
@@ -60,4 +64,6 @@ __all__ = [
     "generate",
     "load_default_drafter",
     "load_default_target",
+    "pack_linear_layers",
+    "unpack_linear_layers",
 ]

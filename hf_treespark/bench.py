@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from .cpu_gemm import CPU_PACK_CHOICES, CPU_PACK_HELP, cpu_pack_option, model_is_packed
 from .precision import DTYPE_CHOICES, resolve_dtype
 
 SUITES = ("mtbench", "humaneval", "sharegpt")
@@ -224,6 +225,7 @@ def run_benchmark(target, tokenizer, drafters: dict, suites=SUITES, methods=tupl
             "dtype": str(dtype).replace("torch.", ""),
             "device": str(next(target.parameters()).device),
             "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
+            "cpu_pack": model_is_packed(target),
             "target": getattr(target.config, "_name_or_path", "") or target.config.model_type,
             "num_prompts": num_prompts,
             "max_new_tokens": max_new_tokens,
@@ -253,7 +255,8 @@ def markdown_table(report: dict) -> str:
     """The report as markdown: one row per suite and method, then acceptance by depth."""
     cfg = report["config"]
     lines = [
-        f"Target {cfg['target']}, {cfg['dtype']} on {cfg['device']} ({cfg['machine']}), greedy, batch 1, "
+        f"Target {cfg['target']}, {cfg['dtype']} on {cfg['device']} ({cfg['machine']}"
+        f"{', packed oneDNN linears' if cfg.get('cpu_pack') else ''}), greedy, batch 1, "
         f"{cfg['num_prompts']} prompts per suite, {cfg['max_new_tokens']} new tokens; tree budget "
         f"{cfg['tree_budget']} (requested {cfg['requested_budget']}); torch {cfg['torch']}, "
         f"transformers {cfg['transformers']}.",
@@ -469,6 +472,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", help="target model name or path (default: offline SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                         help="auto: bf16 where the device computes it natively, else fp32")
+    parser.add_argument("--cpu-pack", choices=CPU_PACK_CHOICES, default="auto", help=CPU_PACK_HELP)
     parser.add_argument("--output-dir", default="bench_results")
     parser.add_argument("--profile", action="store_true",
                         help="instead of the comparison: what each phase of a TreeSpark round costs, in ms and in "
@@ -504,7 +508,8 @@ def run_from_args(args: argparse.Namespace) -> int:
             raise ValueError(f"--drafter {item!r}: expected ROLE=PATH with ROLE one of treespark, dspark, dspark_tree")
         paths[role] = path
     check_output_dir(args.output_dir)
-    target, tokenizer = load_target(args.target, dtype)
+    pack = cpu_pack_option(args.cpu_pack)
+    target, tokenizer = load_target(args.target, dtype, cpu_pack=pack)
     drafters, loaded = {}, {}
     for role in ("treespark", "dspark", "dspark_tree"):
         path = paths.get(role)
@@ -513,7 +518,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         if path is None:
             continue
         if path not in loaded:
-            loaded[path] = load_drafter(path, dtype)
+            loaded[path] = load_drafter(path, dtype, cpu_pack=pack)
         drafters[role] = loaded[path]
 
     if args.profile:
@@ -551,11 +556,13 @@ def _run_profile(args, target, tokenizer, drafters: dict, suites: list[str]) -> 
     profile = profile_rounds(target, drafter, prompts, max_new_tokens=args.max_new_tokens)
     profile["config"] = {"dtype": dtype_name(target.dtype), "machine": f"{platform.machine()}, "
                          f"{torch.get_num_threads()} torch threads", "suites": suites,
+                         "cpu_pack": model_is_packed(target),
                          "torch": torch.__version__, "transformers": __import__("transformers").__version__}
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "profile.json").write_text(json.dumps(profile, indent=1))
-    table = (f"Round cost on {profile['config']['machine']}, {profile['config']['dtype']}, "
+    packing = "packed oneDNN linears" if profile["config"]["cpu_pack"] else "default linear kernels"
+    table = (f"Round cost on {profile['config']['machine']}, {profile['config']['dtype']}, {packing}, "
              f"suites {', '.join(suites)}:\n\n" + profile_table(profile))
     (out / "profile.md").write_text(table)
     print(table)

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
+from .cpu_gemm import model_is_packed
 from .engine import draft_pool, feature_indices
 from .storage import cache_dir
 from .tree import TreePolicy, pack_tree
@@ -71,6 +72,7 @@ def latency_key(target, drafter, policy: TreePolicy, context: int) -> str:
         device_signature(device),
         str(next(target.parameters()).dtype),
         str(getattr(target.config, "_attn_implementation", None)),
+        "packed" if model_is_packed(target) else "unpacked",  # cpu_gemm changes how verify cost scales
         "target:" + _shape_signature(tcfg, ("model_type", "hidden_size", "num_hidden_layers",
                                             "num_attention_heads", "num_key_value_heads", "intermediate_size",
                                             "vocab_size")),

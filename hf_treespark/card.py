@@ -154,7 +154,7 @@ CUSTOM_GENERATE_DIR = "custom_generate"
 # The package modules that `hub_generate.py` needs (it and they import only torch, transformers and each
 # other). Adjust when the decoding loop's modules change; a test checks the set is closed under imports.
 CUSTOM_GENERATE_MODULES = ("budget.py", "configuration.py", "engine.py", "generation.py", "integration.py", "lookup.py",
-                           "modeling.py", "storage.py", "tree.py", "verify.py")
+                           "modeling.py", "storage.py", "tree.py", "verify.py", "cpu_gemm.py")
 
 
 def write_custom_generate(save_directory: str | os.PathLike) -> Path:

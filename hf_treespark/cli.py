@@ -11,13 +11,14 @@ import sys
 import time
 
 from .budget import ensure_latency
+from .cpu_gemm import CPU_PACK_CHOICES, CPU_PACK_HELP, cpu_pack_option
 from .help_format import DefaultsHelpFormatter
 from .loading import load_pair
 from .precision import DTYPE_CHOICES, dtype_name
 
 
 def _load_pair(args):
-    return load_pair(args.target, args.drafter, args.dtype)
+    return load_pair(args.target, args.drafter, args.dtype, cpu_pack=cpu_pack_option(getattr(args, "cpu_pack", "auto")))
 
 
 def cmd_generate(args) -> int:
@@ -248,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy")
     gen.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                      help="auto: bf16 where the device computes it natively, else fp32")
+    gen.add_argument("--cpu-pack", choices=CPU_PACK_CHOICES, default="auto", help=CPU_PACK_HELP)
     gen.add_argument("--compare", action="store_true", help="also run plain decoding: speedup and exactness check")
     gen.set_defaults(func=cmd_generate)
 
@@ -266,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     cal.add_argument("--budgets", default="2,4,8,16,32,64")
     cal.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                         help="auto: bf16 where the device computes it natively, else fp32")
+    cal.add_argument("--cpu-pack", choices=CPU_PACK_CHOICES, default="auto", help=CPU_PACK_HELP)
     cal.set_defaults(func=cmd_calibrate)
 
     voc = sub.add_parser("draft-vocab", help="restrict a drafter to a frequency-ranked draft vocabulary "

@@ -33,6 +33,7 @@ from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
 
 from .configuration import TreeSparkConfig
+from .cpu_gemm import is_packed, pack_linear_layers, weight_key
 
 NEEDS_PACKAGE = (
     "transformers' assisted decoding reached a TreeSpark drafter, which it cannot use (the drafter drafts trees "
@@ -284,8 +285,12 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
         """Share `target`'s frozen token embeddings and LM head. Refuses a target that does not fit."""
         self.check_target(target)
         embed, head = target.get_input_embeddings(), target.get_output_embeddings()
-        draft_head = head.weight if self.draft_vocab_ids is None else head.weight.detach()[self.draft_vocab_ids]
-        self.__dict__["_target_modules"] = (embed, head, draft_head)  # not registered: never saved or trained
+        bound = self.__dict__.get("_target_modules")
+        source = (weight_key(head.weight), is_packed(head))
+        if (bound is not None and bound[0] is embed and bound[1] is head
+                and (bound[2] is head or bound[2].__dict__.get("source_key") == source)):
+            return self  # already bound to this target, unchanged: keep the draft head (and its packed copy)
+        self.__dict__["_target_modules"] = (embed, head, self._draft_head(head))  # not registered: never saved
         return self
 
     def check_target(self, target: nn.Module) -> None:
@@ -344,7 +349,7 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
         self.config.draft_vocab_size = None
         if self.is_bound:
             embed, head, _ = self.__dict__["_target_modules"]
-            self.__dict__["_target_modules"] = (embed, head, head.weight)
+            self.__dict__["_target_modules"] = (embed, head, self._draft_head(head))
         return self
 
     @torch.no_grad()
@@ -374,9 +379,8 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
         self.config.draft_vocab_size = ids.numel()
         self.config.tree_topk = min(self.config.tree_topk, ids.numel())
         if self.is_bound:
-            _, head, _ = self.__dict__["_target_modules"]
-            self.__dict__["_target_modules"] = (self.__dict__["_target_modules"][0], head,
-                                                head.weight.detach()[self.draft_vocab_ids])
+            embed, head, _ = self.__dict__["_target_modules"]
+            self.__dict__["_target_modules"] = (embed, head, self._draft_head(head))
         return self
 
     def to_target_ids(self, draft_tokens: torch.Tensor) -> torch.Tensor:
@@ -413,13 +417,26 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
             mask = self.mask_embedding.to(dtype).expand(b, a, bsz - 1, -1)
         return torch.cat([anchor[:, :, None], mask], dim=2).reshape(b, a * bsz, -1)
 
+    def _draft_head(self, head: nn.Module) -> nn.Module:
+        """The target's LM head over `S`: `head` itself, or a frozen `nn.Linear` of its rows for `S`
+        (packed for the CPU, `hf_treespark.cpu_gemm`, when `head` is)."""
+        if self.draft_vocab_ids is None:
+            return head
+        rows = head.weight.detach()[self.draft_vocab_ids]
+        draft = nn.Linear(rows.shape[1], rows.shape[0], bias=head.bias is not None, device=rows.device,
+                          dtype=rows.dtype).requires_grad_(False)
+        draft.weight.data = rows
+        if head.bias is not None:
+            draft.bias.data = head.bias.detach()[self.draft_vocab_ids]
+        draft.source_key = (weight_key(head.weight), is_packed(head))  # rebuilt when the head changes
+        if is_packed(head):
+            pack_linear_layers(draft)
+        return draft
+
     def depth_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`U_k = lm_head(h_k)[S]` in float32: `[..., H] -> [..., |S|]` (only the draft vocabulary's rows)."""
-        _, head, draft_head = self._target()
-        bias = None if head.bias is None or self.draft_vocab_ids is None else head.bias[self.draft_vocab_ids]
-        if self.draft_vocab_ids is None:
-            return head(hidden.to(head.weight.dtype)).float()
-        return F.linear(hidden.to(draft_head.dtype), draft_head, bias).float()
+        _, _, draft_head = self._target()
+        return draft_head(hidden.to(draft_head.weight.dtype)).float()
 
     def markov_bias(self, parent_tokens: torch.Tensor) -> torch.Tensor:
         """`W2(W1[y])` in float32: parent target ids `[...] -> [..., |S|]`."""

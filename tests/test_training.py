@@ -220,7 +220,7 @@ def test_a_draft_vocabulary_of_every_id_trains_exactly_as_the_full_vocabulary(tm
     b, _, _, _ = _batch_parts(restricted)
     assert set(a) == set(b) == {"ce", "l1", "conf", "surv", "cov"}
     for name in a:
-        for x, y in zip(a[name], b[name]):
+        for x, y in zip(a[name], b[name], strict=True):
             assert torch.allclose(x, y, rtol=1e-4, atol=1e-5), (name, x, y)
 
 
