@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, LogitsProcessorList
 
-from .lookup import graft_lookup, lookup_continuations
+from .lookup import add_lookup_branches
 from .tree import Candidates, DraftTree, TreePolicy, expand_tree, pack_tree
 from .verify import (
     Acceptance,
@@ -192,14 +192,15 @@ class TreeSparkSession:
         self.pending = None
         with self._phase("tree"):
             pool = expand_tree(depth_logits, self.drafter.markov_bias, x0, self.policy, self.drafter.draft_vocab_ids)
-            if self.policy.lookup:
-                history = ids[0, ids.shape[1] - 1 - self.past_len:]  # the unpadded text, x0 last
-                pool = graft_lookup(pool, lookup_continuations(history, self.policy.lookup))
-            if self.policy.auto:
+            if self.policy.auto:  # chosen on the drafter's own pool: the budget is the drafter's
                 if self.choose_budget is None:
                     raise ValueError("an 'auto' tree budget needs choose_budget (see hf_treespark.budget)")
                 self.policy = self.policy.with_budget(self.choose_budget(pool.scores[0]))
-            return pack_tree(pool, x0, self.policy.budget, self.policy.depth)
+            extra = 0
+            if self.policy.lookup:
+                history = ids[0, ids.shape[1] - 1 - self.past_len:]  # the unpadded text, x0 last
+                pool, extra = add_lookup_branches(pool, history, self.policy.lookup)
+            return pack_tree(pool, x0, self.policy.budget + extra, self.policy.depth)
 
     def verify(self, tree: DraftTree):
         """ONE target forward over the packed tree; the output has logits `[1, N + 1, V]`."""

@@ -19,7 +19,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .budget import auto_budget
 from .engine import Round, TreeSparkSession, draft_pool
-from .lookup import graft_lookup, lookup_continuations
+from .lookup import add_lookup_branches
 from .tree import DraftTree, TreePolicy, pack_tree
 
 
@@ -314,9 +314,10 @@ class TreeSparkCandidateGenerator(CandidateGenerator):
         x0 = input_ids[:, -1]
         pool = draft_pool(self.drafter, self.policy, x0, committed, self.pending, self.cache)
         self.pending = None
+        extra = 0
         if self.policy.lookup:
-            pool = graft_lookup(pool, lookup_continuations(input_ids[0], self.policy.lookup))
-        self.tree = pack_tree(pool, x0, self.policy.budget, self.policy.depth)
+            pool, extra = add_lookup_branches(pool, input_ids[0], self.policy.lookup)
+        self.tree = pack_tree(pool, x0, self.policy.budget + extra, self.policy.depth)
         return torch.cat([input_ids, self.tree.tokens[:, 1:]], dim=1), None
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):

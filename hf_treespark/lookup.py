@@ -19,6 +19,13 @@ drafter also proposed keeps the larger of its two scores. Scores still never inc
 estimates are deliberately modest: a lookup node displaces a drafted one only where the match is
 long or the drafter is unsure.
 
+Budget. The tree budget `N` is the drafter's (the "auto" choice is made on the drafter's pool,
+before grafting); a round whose branches add `m` new nodes packs `N + min(m, L)` nodes (`L` the
+branch length, `tree_lookup`). Without that allowance a small budget (4 on a CPU) would cut every
+branch after a few tokens, exactly where lookup pays (long copies), or displace the drafter's best
+nodes; with it, a round with no match costs what it costs without lookup, and global packing still
+decides which of the drafted and the looked-up nodes are verified.
+
 Lookup nodes are ordinary nodes for verification and the walk, so greedy decoding stays exact and
 sampling stays distribution-preserving. Training is unchanged: lookup is an inference-time addition.
 """
@@ -58,6 +65,18 @@ def lookup_continuations(history: torch.Tensor, length: int, max_ngram: int = MA
             if len(branches) == max_branches:
                 return branches
     return branches
+
+
+def add_lookup_branches(pool: Candidates, history: torch.Tensor, length: int) -> tuple[Candidates, int]:
+    """This round's lookup step: `(pool with the branches grafted in, extra budget)`.
+
+    `history`: the 1-D unpadded text so far, the root `x0` last; `length`: `L` tokens per branch. The
+    extra budget is `min(new nodes, L)` (see "Budget" above).
+    """
+    grafted = graft_lookup(pool, lookup_continuations(history, length))
+    if grafted.lookup is None:
+        return grafted, 0
+    return grafted, min(int(grafted.lookup[0].sum()), length)
 
 
 def graft_lookup(pool: Candidates, branches: list[tuple[list[int], int]]) -> Candidates:

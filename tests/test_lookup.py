@@ -59,6 +59,19 @@ def test_grafting_merges_duplicates_adds_new_nodes_and_keeps_paths_unique():
         assert tree.lookup.shape == tree.tokens.shape
 
 
+def test_lookup_widens_the_budget_by_its_new_nodes_up_to_the_branch_length():
+    from hf_treespark.lookup import add_lookup_branches
+
+    pool, policy = small_pool(vocab=40)
+    assert add_lookup_branches(pool, torch.tensor([1, 2, 3, 4]), 3) == (pool, 0)  # no match: no extra node
+    # "5 6 7" recurs twice with different continuations: two branches of up to 3 tokens, ids 30+ are new
+    history = torch.tensor([5, 6, 7, 30, 31, 32, 5, 6, 7, 33, 34, 35, 5, 6, 7])
+    grafted, extra = add_lookup_branches(pool, history, 3)
+    assert int(grafted.lookup[0].sum()) == 6 and extra == 3
+    tree = pack_tree(grafted, torch.tensor([0]), policy.budget + extra, policy.depth)
+    assert tree.num_nodes == policy.budget + 3 and bool(tree.lookup.any())
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2", "mistral"])
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_greedy_with_lookup_branches_equals_plain_generate(arch, attn):
