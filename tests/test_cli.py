@@ -127,7 +127,7 @@ def test_sigint_during_generate_exits_130_without_a_traceback():
     assert proc.stdout.read(1)  # the answer has started streaming: the models are loaded and decoding
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130
+    assert proc.returncode == 130, (out.decode()[-500:], err.decode()[-2000:])
     assert err.decode().strip().splitlines()[-1] == "treespark: interrupted"
     assert "Traceback" not in err.decode()
 

@@ -115,15 +115,6 @@ def test_dspark_export_refuses_a_restricted_drafter(tmp_path):
         export_dspark_checkpoint(drafter, target, tmp_path)
 
 
-def test_training_refuses_a_restricted_drafter_with_what_to_do():
-    from hf_treespark.training.objective import LossConfig, TrainingObjective
-    from hf_treespark.tree import TreePolicy
-
-    target = make_target("llama")
-    with pytest.raises(ValueError, match="restrict it with `treespark draft-vocab`"):
-        TrainingObjective(restricted(target).bind_target(target), LossConfig(), TreePolicy())
-
-
 def test_ranking_counts_ids_and_texts_and_names_bad_lines(tmp_path):
     data = tmp_path / "refs.jsonl"
     data.write_text(json.dumps({"response_ids": [5, 5, 5, 9, 9, 2]}) + "\n" + json.dumps({"response": "ab"}) + "\n")

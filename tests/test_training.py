@@ -101,6 +101,8 @@ def test_normalise_divides_by_the_global_denominator():
 
 
 class _Markov:
+    draft_vocab_ids = None  # the whole vocabulary
+
     def __init__(self, vocab, seed=0):
         gen = torch.Generator().manual_seed(seed)
         self.w1 = torch.randn(vocab, 3, generator=gen)
