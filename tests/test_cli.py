@@ -123,7 +123,10 @@ def test_ctrl_c_ends_with_one_line_and_status_130(monkeypatch, capsys):
 def test_sigint_during_generate_exits_130_without_a_traceback():
     command = [sys.executable, "-m", "hf_treespark.cli", "generate", "--prompt", "Write a long story about a tree.",
                "--max-new-tokens", "1000"]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
+    # A shell starts background jobs with SIGINT ignored, and a child inherits that (Python then installs no
+    # handler): give the command the default disposition, as a terminal would.
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert proc.stdout.read(1)  # the answer has started streaming: the models are loaded and decoding
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
