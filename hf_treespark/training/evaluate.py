@@ -128,7 +128,7 @@ def plot_learning_curve(metrics_path: str | Path, out_png: str | Path) -> Path:
     right = left.twinx()
     right.plot(anchors, [100 * r["dev_depth_rates"][0] for r in rows], "s--", color="#d62728", label="depth-1 %")
     right.set_ylabel("depth-1 acceptance (%)")
-    fig.legend(loc="lower right")
+    fig.legend(loc="upper left", bbox_to_anchor=(0.1, 0.95))  # rising curves leave that corner free
     fig.tight_layout()
     out_png = Path(out_png)
     out_png.parent.mkdir(parents=True, exist_ok=True)
