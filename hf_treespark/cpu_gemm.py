@@ -41,6 +41,7 @@ def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     weight = self.weight
     if (weight.device.type != "cpu" or x.device.type != "cpu" or x.dtype != weight.dtype
             or weight.dtype not in PACKABLE_DTYPES or x.numel() == 0
+            or (self.bias is not None and self.bias.dtype != x.dtype)
             or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return F.linear(x, weight, self.bias)
     key = weight_key(weight)
@@ -48,8 +49,6 @@ def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         self._treespark_packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
         self._treespark_packed_key = key
     bias = None if self.bias is None else self.bias.detach()
-    if bias is not None and bias.dtype != x.dtype:
-        return F.linear(x, weight, self.bias)
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.ops.mkldnn._linear_pointwise(rows, self._treespark_packed, bias, "none", [], "")
     return out.view(*x.shape[:-1], out.shape[-1])

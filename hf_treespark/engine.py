@@ -196,10 +196,8 @@ class TreeSparkSession:
                 if self.choose_budget is None:
                     raise ValueError("an 'auto' tree budget needs choose_budget (see hf_treespark.budget)")
                 self.policy = self.policy.with_budget(self.choose_budget(pool.scores[0]))
-            extra = 0
-            if self.policy.lookup:
-                history = ids[0, ids.shape[1] - 1 - self.past_len:]  # the unpadded text, x0 last
-                pool, extra = add_lookup_branches(pool, history, self.policy.lookup)
+            history = ids[0, ids.shape[1] - 1 - self.past_len:]  # the unpadded text, x0 last
+            pool, extra = add_lookup_branches(pool, history, self.policy.lookup)
             return pack_tree(pool, x0, self.policy.budget + extra, self.policy.depth)
 
     def verify(self, tree: DraftTree):

@@ -314,9 +314,7 @@ class TreeSparkCandidateGenerator(CandidateGenerator):
         x0 = input_ids[:, -1]
         pool = draft_pool(self.drafter, self.policy, x0, committed, self.pending, self.cache)
         self.pending = None
-        extra = 0
-        if self.policy.lookup:
-            pool, extra = add_lookup_branches(pool, input_ids[0], self.policy.lookup)
+        pool, extra = add_lookup_branches(pool, input_ids[0], self.policy.lookup)
         self.tree = pack_tree(pool, x0, self.policy.budget + extra, self.policy.depth)
         return torch.cat([input_ids, self.tree.tokens[:, 1:]], dim=1), None
 

@@ -70,9 +70,11 @@ def lookup_continuations(history: torch.Tensor, length: int, max_ngram: int = MA
 def add_lookup_branches(pool: Candidates, history: torch.Tensor, length: int) -> tuple[Candidates, int]:
     """This round's lookup step: `(pool with the branches grafted in, extra budget)`.
 
-    `history`: the 1-D unpadded text so far, the root `x0` last; `length`: `L` tokens per branch. The
-    extra budget is `min(new nodes, L)` (see "Budget" above).
+    `history`: the 1-D unpadded text so far, the root `x0` last; `length`: `L` tokens per branch (0: lookup
+    off, the pool unchanged). The extra budget is `min(new nodes, L)` (see "Budget" above).
     """
+    if length == 0:  # lookup off
+        return pool, 0
     grafted = graft_lookup(pool, lookup_continuations(history, length))
     if grafted.lookup is None:
         return grafted, 0

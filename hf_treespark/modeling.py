@@ -286,9 +286,8 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
         self.check_target(target)
         embed, head = target.get_input_embeddings(), target.get_output_embeddings()
         bound = self.__dict__.get("_target_modules")
-        source = (weight_key(head.weight), is_packed(head))
         if (bound is not None and bound[0] is embed and bound[1] is head
-                and (bound[2] is head or bound[2].__dict__.get("source_key") == source)):
+                and (bound[2] is head or bound[2].__dict__.get("source_key") == _head_source(head))):
             return self  # already bound to this target, unchanged: keep the draft head (and its packed copy)
         self.__dict__["_target_modules"] = (embed, head, self._draft_head(head))  # not registered: never saved
         return self
@@ -428,7 +427,7 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
         draft.weight.data = rows
         if head.bias is not None:
             draft.bias.data = head.bias.detach()[self.draft_vocab_ids]
-        draft.source_key = (weight_key(head.weight), is_packed(head))  # rebuilt when the head changes
+        draft.source_key = _head_source(head)  # rebuilt when the head changes
         if is_packed(head):
             pack_linear_layers(draft)
         return draft
@@ -597,6 +596,11 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
                           f"not match its config ({bad}). The file is incomplete or from another model.")
         model.__dict__["_stored_dtype"] = _stored_dtype(pretrained_model_name_or_path, kwargs)
         return (model, info) if want_info else model
+
+
+def _head_source(head: nn.Module) -> tuple:
+    """What a draft head copied from `head` depends on: its weight (as it is now) and whether it is packed."""
+    return weight_key(head.weight), is_packed(head)
 
 
 def _stored_dtype(name, kwargs: dict) -> torch.dtype | None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections import Counter
 
 import torch
 
@@ -30,17 +29,14 @@ ROWS = [  # (preset, draft vocabulary size or None, replay anchors per sequence 
 
 def measure(target, references, preset: str, vocab: int | None, replay: int | None, args) -> dict:
     from hf_treespark.configuration import TreeSparkConfig
-    from hf_treespark.draft_vocab import rank_token_ids
     from hf_treespark.modeling import TreeSparkDrafter
-    from hf_treespark.training.cli import DEFAULT_MASK_TOKEN_ID
+    from hf_treespark.training.cli import DEFAULT_MASK_TOKEN_ID, set_draft_vocabulary
     from hf_treespark.training.trainer import PRESETS, TrainConfig, Trainer
 
     torch.manual_seed(0)
     drafter = TreeSparkDrafter(TreeSparkConfig.for_target(target, mask_token_id=DEFAULT_MASK_TOKEN_ID,
                                                           **PRESETS[preset][1]))
-    if vocab is not None:
-        counts = Counter(t for r in references for t in r.input_ids[r.prompt_len:])
-        drafter.restrict_vocabulary(rank_token_ids(counts, vocab, target.config.vocab_size))
+    drafter = set_draft_vocabulary(drafter, vocab, references)
     config = TrainConfig(output_dir=args.output_dir, preset=preset, max_steps=10**6, batch_size=args.batch_size,
                          anchors_per_sequence=args.anchors, save_every=10**6, log_every=10**6,
                          feature_cache=args.feature_cache, loss={"replay_anchors": replay})

@@ -205,3 +205,9 @@ def test_a_negative_draft_vocab_size_is_refused(tiny_files, tmp_path, capsys):
     assert train(tiny_files, tmp_path / "run", "--draft-vocab-size", "-5") == 2
     assert "--draft-vocab-size must be >= 0 (got -5)" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_bad_replay_anchors_is_refused_before_any_work(tiny_files, tmp_path, capsys):
+    assert train(tiny_files, tmp_path / "run", "--loss", '{"replay_anchors": 0}') == 2
+    assert "replay_anchors must be a positive number of anchors per sequence" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

@@ -377,3 +377,10 @@ def test_the_trainer_refuses_a_token_id_outside_the_target_vocabulary(tmp_path):
 def test_train_config_refuses_max_steps_below_one(steps):
     with pytest.raises(ValueError, match=rf"max_steps must be at least 1 \(got {steps}\)"):
         TrainConfig(max_steps=steps)
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, "16"])
+def test_replay_anchors_must_be_a_positive_count(bad):
+    with pytest.raises(ValueError, match="replay_anchors must be a positive number of anchors per sequence"):
+        LossConfig(replay_anchors=bad)
+    assert LossConfig(replay_anchors=16).replay_anchors == 16 and LossConfig().replay_anchors is None

@@ -39,6 +39,11 @@ class LossConfig:
     coverage_cap: float = 2.0
     replay_anchors: int | None = None  # replay the tree from this many evenly spaced anchors per sequence (None: all)
 
+    def __post_init__(self):
+        if self.replay_anchors is not None and (not isinstance(self.replay_anchors, int) or self.replay_anchors < 1):
+            raise ValueError(f"replay_anchors must be a positive number of anchors per sequence or None (all), "
+                             f"got {self.replay_anchors!r}")
+
     def coefficient(self, name: str) -> float:
         return getattr(self, name)
 
