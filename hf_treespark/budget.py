@@ -106,7 +106,8 @@ def measure_round_latency(target, drafter, policy: TreePolicy, budgets=CANDIDATE
 
     Verify: one target forward of `N + 1` tokens with a 4D float mask over a `context`-token
     cache (the mask's content does not change the cost, so a causal one is used). Draft: one
-    drafter pass over a few new context features plus `build_tree` at budget `N`.
+    drafter pass over a few new context features plus `build_tree` at budget `N`, every depth
+    expanded (no early stop: an upper bound of the tree's cost).
     """
     device = next(target.parameters()).device
     dtype = next(target.parameters()).dtype

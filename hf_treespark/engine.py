@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, LogitsProcessorList
 
-from .lookup import add_lookup_branches
+from .lookup import add_lookup_branches, find_lookup_branches, max_extra_budget
 from .tree import Candidates, DraftTree, TreePolicy, expand_tree, pack_tree
 from .verify import (
     Acceptance,
@@ -81,10 +81,11 @@ def drafter_pass(drafter, policy: TreePolicy, anchor: torch.Tensor, position: in
 
 
 def draft_pool(drafter, policy: TreePolicy, anchor: torch.Tensor, position: int,
-               new_features: torch.Tensor | None, context_cache) -> Candidates:
-    """The draft step: `drafter_pass`, then the tree policy's candidate pool (`tree.expand_tree`)."""
+               new_features: torch.Tensor | None, context_cache, stop_budget: int | None = None) -> Candidates:
+    """The draft step: `drafter_pass`, then the tree policy's candidate pool (`tree.expand_tree`;
+    `stop_budget`: its early stop)."""
     depth_logits = drafter_pass(drafter, policy, anchor, position, new_features, context_cache)
-    return expand_tree(depth_logits, drafter.markov_bias, anchor, policy, drafter.draft_vocab_ids)
+    return expand_tree(depth_logits, drafter.markov_bias, anchor, policy, drafter.draft_vocab_ids, stop_budget)
 
 
 class PhaseTimer:
@@ -191,13 +192,17 @@ class TreeSparkSession:
             depth_logits = drafter_pass(self.drafter, self.policy, x0, self.past_len, self.pending, self.context)
         self.pending = None
         with self._phase("tree"):
-            pool = expand_tree(depth_logits, self.drafter.markov_bias, x0, self.policy, self.drafter.draft_vocab_ids)
+            history = ids[0, ids.shape[1] - 1 - self.past_len:]  # the unpadded text, x0 last
+            branches = find_lookup_branches(history, self.policy.lookup)
+            # the first round of an "auto" budget chooses it from the whole pool: no early stop
+            stop = None if self.policy.auto else self.policy.budget + max_extra_budget(branches, self.policy.lookup)
+            pool = expand_tree(depth_logits, self.drafter.markov_bias, x0, self.policy, self.drafter.draft_vocab_ids,
+                               stop_budget=stop)
             if self.policy.auto:  # chosen on the drafter's own pool: the budget is the drafter's
                 if self.choose_budget is None:
                     raise ValueError("an 'auto' tree budget needs choose_budget (see hf_treespark.budget)")
                 self.policy = self.policy.with_budget(self.choose_budget(pool.scores[0]))
-            history = ids[0, ids.shape[1] - 1 - self.past_len:]  # the unpadded text, x0 last
-            pool, extra = add_lookup_branches(pool, history, self.policy.lookup)
+            pool, extra = add_lookup_branches(pool, branches, self.policy.lookup)
             return pack_tree(pool, x0, self.policy.budget + extra, self.policy.depth)
 
     def verify(self, tree: DraftTree):

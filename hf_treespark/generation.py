@@ -19,7 +19,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .budget import auto_budget
 from .engine import Round, TreeSparkSession, draft_pool
-from .lookup import add_lookup_branches
+from .lookup import add_lookup_branches, find_lookup_branches, max_extra_budget
 from .tree import DraftTree, TreePolicy, pack_tree
 
 
@@ -312,9 +312,11 @@ class TreeSparkCandidateGenerator(CandidateGenerator):
             raise ValueError(f"the drafter has context for {committed} positions but input_ids has "
                              f"{input_ids.shape[1]} tokens: add_context() the features of all tokens but the last")
         x0 = input_ids[:, -1]
-        pool = draft_pool(self.drafter, self.policy, x0, committed, self.pending, self.cache)
+        branches = find_lookup_branches(input_ids[0], self.policy.lookup)
+        stop = self.policy.budget + max_extra_budget(branches, self.policy.lookup)
+        pool = draft_pool(self.drafter, self.policy, x0, committed, self.pending, self.cache, stop)
         self.pending = None
-        pool, extra = add_lookup_branches(pool, input_ids[0], self.policy.lookup)
+        pool, extra = add_lookup_branches(pool, branches, self.policy.lookup)
         self.tree = pack_tree(pool, x0, self.policy.budget + extra, self.policy.depth)
         return torch.cat([input_ids, self.tree.tokens[:, 1:]], dim=1), None
 

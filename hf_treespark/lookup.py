@@ -67,17 +67,32 @@ def lookup_continuations(history: torch.Tensor, length: int, max_ngram: int = MA
     return branches
 
 
-def add_lookup_branches(pool: Candidates, history: torch.Tensor, length: int) -> tuple[Candidates, int]:
+def find_lookup_branches(history: torch.Tensor, length: int) -> list[tuple[list[int], int]]:
+    """This round's branches for the 1-D unpadded text `history` (the root `x0` last); none when `length`
+    is 0 (lookup off). Found before the drafter's pool is expanded, so the early stop
+    (`tree.expand_tree`) knows how large the round's budget can grow (`max_extra_budget`)."""
+    return lookup_continuations(history, length) if length > 0 else []
+
+
+def max_extra_budget(branches: list[tuple[list[int], int]], length: int) -> int:
+    """The most nodes `branches` can add to the round's budget: `min(their tokens, L)` (see "Budget")."""
+    return min(sum(len(tokens) for tokens, _ in branches), length)
+
+
+def add_lookup_branches(pool: Candidates, branches: list[tuple[list[int], int]], length: int
+                        ) -> tuple[Candidates, int]:
     """This round's lookup step: `(pool with the branches grafted in, extra budget)`.
 
-    `history`: the 1-D unpadded text so far, the root `x0` last; `length`: `L` tokens per branch (0: lookup
-    off, the pool unchanged). The extra budget is `min(new nodes, L)` (see "Budget" above).
+    `branches` from `find_lookup_branches`; `length`: `L` tokens per branch. The extra budget is
+    `min(new nodes, L)` (see "Budget" above); no branch leaves the pool unchanged.
+
+    With the early stop, a drafted candidate that could not have been packed may be missing from the
+    pool; a branch through it then adds it as a lookup node (the verified tree may hold it where the
+    full pool would have merged it). Verification does not depend on how a node got into the tree.
     """
-    if length == 0:  # lookup off
+    if not branches:
         return pool, 0
-    grafted = graft_lookup(pool, lookup_continuations(history, length))
-    if grafted.lookup is None:
-        return grafted, 0
+    grafted = graft_lookup(pool, branches)
     return grafted, min(int(grafted.lookup[0].sum()), length)
 
 

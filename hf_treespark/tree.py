@@ -195,7 +195,7 @@ def build_tree(
 
 @torch.no_grad()
 def expand_tree(depth_logits, markov_bias, root_tokens: torch.Tensor, policy: TreePolicy,
-                vocab_ids: torch.Tensor | None = None) -> Candidates:
+                vocab_ids: torch.Tensor | None = None, stop_budget: int | None = None) -> Candidates:
     """The candidate pool: frontier expansion over `policy.expanded_depth` depths (no packing yet).
 
     Scores: `score(n) = score(parent) + log p_d(token(n) | token(parent))`, with
@@ -203,6 +203,12 @@ def expand_tree(depth_logits, markov_bias, root_tokens: torch.Tensor, policy: Tr
     log-sum-exp per parent are needed, never a full log-softmax row. Frontier pruning keeps the `F`
     best nodes of each depth for expansion. Runs without gradient: choices are discrete.
     `depth_logits` may hold fewer than `policy.depth` slots when only the expanded depths were computed.
+
+    Early stop (`stop_budget=M`, inference): expansion ends after depth `d` once no frontier node
+    scores above the `M`-th best candidate so far. Scores never increase along a path and ties go
+    to the smaller depth, so no deeper candidate could be among the `M` best: `pack_tree` with any
+    budget `<= M` packs exactly the tree of the full pool. Each depth skipped saves one Markov-head
+    product over `S` (the largest part of the tree's cost). Training replay expands every depth.
     """
     b = root_tokens.shape[0]
     device = root_tokens.device
@@ -233,6 +239,10 @@ def expand_tree(depth_logits, markov_bias, root_tokens: torch.Tensor, policy: Tr
         front_score = child_scores.gather(1, keep)
         front_cand = offset + keep
         offset += num_parents * k
+        if stop_budget is not None and d < policy.expanded_depth and offset >= stop_budget:
+            mth_best = torch.cat(scores, 1).topk(stop_budget, dim=1).values[:, -1]
+            if bool((front_score.max(dim=1).values <= mth_best).all()):
+                break
     return Candidates(torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(depths, 1), torch.cat(scores, 1),
                       packed=None, node_index=None, expansions=expansions)
 

@@ -145,7 +145,9 @@ def commit_cache(cache, past_len: int, keep: torch.Tensor) -> None:
     """Keep the chunk entries `keep` (`[b, m]` indices into the verified chunk, in order) and drop the rest.
 
     Every layer's keys/values `[b, heads, past_len + N + 1, dim]` become
-    `[b, heads, past_len + m, dim]`: the kept entries move to the front of the chunk.
+    `[b, heads, past_len + m, dim]`: the kept entries move to the front of the chunk, in place, and
+    the layer keeps a view of the first `past_len + m` entries (the committed prefix is not copied;
+    the cache's next update concatenates onto that view, as it does every step).
     """
     layers = getattr(cache, "layers", None)
     if layers is None:
@@ -158,4 +160,5 @@ def commit_cache(cache, past_len: int, keep: torch.Tensor) -> None:
         for name in ("keys", "values"):
             tensor = getattr(layer, name)
             idx = index[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3])
-            setattr(layer, name, torch.cat([tensor[:, :, :past_len], tensor.gather(2, idx)], dim=2))
+            tensor[:, :, past_len:past_len + keep.shape[1]] = tensor.gather(2, idx)
+            setattr(layer, name, tensor[:, :, :past_len + keep.shape[1]])

@@ -60,14 +60,17 @@ def test_grafting_merges_duplicates_adds_new_nodes_and_keeps_paths_unique():
 
 
 def test_lookup_widens_the_budget_by_its_new_nodes_up_to_the_branch_length():
-    from hf_treespark.lookup import add_lookup_branches
+    from hf_treespark.lookup import add_lookup_branches, find_lookup_branches, max_extra_budget
 
     pool, policy = small_pool(vocab=40)
-    assert add_lookup_branches(pool, torch.tensor([1, 2, 3, 4]), 3) == (pool, 0)  # no match: no extra node
+    no_match = find_lookup_branches(torch.tensor([1, 2, 3, 4]), 3)
+    assert no_match == [] and add_lookup_branches(pool, no_match, 3) == (pool, 0)  # no match: no extra node
+    assert find_lookup_branches(torch.tensor([5, 6, 5]), 0) == []  # length 0: lookup off
     # "5 6 7" recurs twice with different continuations: two branches of up to 3 tokens, ids 30+ are new
     history = torch.tensor([5, 6, 7, 30, 31, 32, 5, 6, 7, 33, 34, 35, 5, 6, 7])
-    grafted, extra = add_lookup_branches(pool, history, 3)
-    assert int(grafted.lookup[0].sum()) == 6 and extra == 3
+    branches = find_lookup_branches(history, 3)
+    grafted, extra = add_lookup_branches(pool, branches, 3)
+    assert int(grafted.lookup[0].sum()) == 6 and extra == 3 == max_extra_budget(branches, 3)
     tree = pack_tree(grafted, torch.tensor([0]), policy.budget + extra, policy.depth)
     assert tree.num_nodes == policy.budget + 3 and bool(tree.lookup.any())
 

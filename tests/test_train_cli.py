@@ -211,3 +211,33 @@ def test_a_bad_replay_anchors_is_refused_before_any_work(tiny_files, tmp_path, c
     assert train(tiny_files, tmp_path / "run", "--loss", '{"replay_anchors": 0}') == 2
     assert "replay_anchors must be a positive number of anchors per sequence" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("loss, message", [
+    ('{"survival": 1.0}', "--loss: unknown key(s) survival; the keys are ce, l1, conf, surv, cov"),
+    ('{"surv": 1.0', "argument --loss: not valid JSON"),
+    ('[1, 2]', "argument --loss: must be a JSON object"),
+])
+def test_a_bad_loss_option_is_refused_in_one_line_before_any_work(tiny_files, tmp_path, capsys, loss, message):
+    try:
+        code = train(tiny_files, tmp_path / "run", "--loss", loss)
+    except SystemExit as stop:  # argparse's own refusal of the option's value
+        code = stop.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_loss_keys_are_the_loss_config_fields():
+    from dataclasses import fields
+
+    from hf_treespark.training.objective import LossConfig
+
+    assert train_cli.LOSS_KEYS == tuple(f.name for f in fields(LossConfig))
+
+
+def test_a_draft_vocab_size_above_the_target_vocabulary_is_refused(tiny_files, tmp_path, capsys):
+    vocab = make_target("llama").config.vocab_size
+    assert train(tiny_files, tmp_path / "run", "--draft-vocab-size", str(vocab + 1)) == 2
+    assert f"--draft-vocab-size {vocab + 1} exceeds the target's vocabulary of {vocab} ids" in capsys.readouterr().err

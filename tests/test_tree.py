@@ -163,3 +163,42 @@ def test_a_small_budget_drafts_fewer_depths_and_packs_the_same_tree(policy, seed
             node = int(cand.parents[0, node])
         expected.add(tuple(reversed(path)))
     assert set(paths(small, 0)[1:]) == expected
+
+
+@settings(max_examples=80, deadline=None)
+@given(policy=policies, seed=st.integers(0, 10_000), batch=st.integers(1, 3), slack=st.integers(0, 6),
+       coarse=st.booleans())
+def test_early_stop_packs_the_same_tree_as_the_full_pool(policy, seed, batch, slack, coarse):
+    from hf_treespark.tree import expand_tree, pack_tree
+
+    logits, markov, roots = random_inputs(seed, batch, policy.depth)
+    if coarse:  # integer logits and a zero Markov head: many tied scores, settled by depth then order
+        logits, markov = logits.round(), (lambda tokens: torch.zeros(*tokens.shape, V))
+    full = expand_tree(logits, markov, roots, policy)
+    stop = policy.budget + slack
+    early = expand_tree(logits, markov, roots, policy, stop_budget=stop)
+    assert early.tokens.shape[1] <= full.tokens.shape[1]
+    count = early.tokens.shape[1]  # the early pool is a prefix of the full one (depth-major order)
+    assert torch.equal(early.tokens, full.tokens[:, :count]) and torch.equal(early.scores, full.scores[:, :count])
+    for budget in {policy.budget, stop}:
+        want, got = pack_tree(full, roots, budget, policy.depth), pack_tree(early, roots, budget, policy.depth)
+        for name in ("tokens", "parents", "depths", "scores", "ancestors"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+
+def test_early_stop_skips_depths_that_could_not_be_packed():
+    from hf_treespark.tree import expand_tree, pack_tree
+
+    policy = TreePolicy(topk=4, frontier=4, budget=4, depth=6)
+    logits = torch.full((1, 6, V), -20.0)
+    logits[0, 0, 7] = 0.0  # depth 1: four plausible tokens ...
+    logits[0, 0, 8:11] = -0.5
+    logits[0, 1:, :] = 0.0  # ... and flat distributions below: every depth-2 node scores below all of depth 1
+    roots = torch.tensor([3])
+    zero = lambda tokens: torch.zeros(*tokens.shape, V)  # noqa: E731
+    full = expand_tree(logits, zero, roots, policy)
+    early = expand_tree(logits, zero, roots, policy, stop_budget=4)
+    # depth 1 fills the budget but its best node could still have a child above the 4th: depth 2 is expanded;
+    # after it no frontier node beats the 4th best candidate, so depths 3 and 4 are skipped
+    assert len(full.expansions) == 4 and len(early.expansions) == 2
+    assert torch.equal(pack_tree(early, roots, 4, 6).tokens, pack_tree(full, roots, 4, 6).tokens)

@@ -26,6 +26,9 @@ from pathlib import Path
 
 from .trainer import PRESETS
 
+LOSS_KEYS = ("ce", "l1", "conf", "surv", "cov", "gamma", "coverage_top_j", "coverage_margin", "coverage_cap",
+             "replay_anchors")  # the fields of objective.LossConfig (kept in step by a test)
+
 DEFAULT_MASK_TOKEN_ID = 16  # SmolLM2: a code-corpus marker chat text never produces (SPEC section 6)
 
 
@@ -69,7 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-feature-cache", action="store_true", help="recompute target features every step")
     p.add_argument("--tensorboard", action="store_true", help="log metrics to OUTPUT_DIR for TensorBoard")
     p.add_argument("--seed", type=int, default=0, help="drafter initialisation, data order and anchors")
-    p.add_argument("--loss", type=json.loads, default={}, help='loss overrides, e.g. \'{"surv": 1.0}\'')
+    p.add_argument("--loss", type=json_object, default={},
+                   help='loss overrides, a JSON object, e.g. \'{"surv": 1.0, "replay_anchors": 16}\'; keys: '
+                        + ", ".join(LOSS_KEYS))
     p.add_argument("--eval-every", type=int, default=0,
                    help="optimizer steps between learning-curve points: acceptance on a development set, written to "
                         "OUTPUT_DIR/metrics.jsonl and plotted to OUTPUT_DIR/learning_curve.png (0: off)")
@@ -80,8 +85,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--push-to-hub", help="repository id to push the trained drafter to")
 
 
+def json_object(text: str) -> dict:
+    """argparse type of `--loss`: a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({err.msg}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object like '{{\"surv\": 1.0}}', got {text!r}")
+    return value
+
+
 def check_arguments(args: argparse.Namespace) -> None:
     """Refuse option values that would train nothing or something other than asked, before loading anything."""
+    from .objective import LossConfig
+
+    unknown = sorted(set(args.loss) - set(LOSS_KEYS))
+    if unknown:
+        raise ValueError(f"--loss: unknown key(s) {', '.join(unknown)}; the keys are {', '.join(LOSS_KEYS)}")
+    LossConfig(**args.loss)  # refuses values that cannot work
     at_least_one = ("num_prompts", "regen_batch_size", "regen_max_new_tokens", "draft_layers", "heads", "kv_heads",
                     "intermediate_size", "markov_rank", "max_length", "batch_size", "grad_accum", "anchors",
                     "save_every", "eval_budget")
@@ -231,6 +253,9 @@ def run(args: argparse.Namespace) -> int:
     accelerator = build_accelerator(config)
     needs_dev_set = args.eval_every > 0 and not args.dev_data
     target, tokenizer = load_target(args.target, with_tokenizer=bool(args.regenerate) or needs_dev_set)
+    if args.draft_vocab_size and args.draft_vocab_size > target.config.vocab_size:
+        raise ValueError(f"--draft-vocab-size {args.draft_vocab_size} exceeds the target's vocabulary of "
+                         f"{target.config.vocab_size} ids; use at most that, or 0 for the whole vocabulary")
     data = [Path(p) for p in args.data]
     if args.regenerate:
         data.append(regenerate(args, target, tokenizer, accelerator, out))
