@@ -115,6 +115,40 @@ class DrafterContextCache:
         return keys, values
 
 
+@dataclass
+class BlockTrainingMask:
+    """Training attention of `A` blocks of `B` slots: each block sees the context positions `context`
+    allows (`[b, 1, A * B, s]` bool, or None without context) and its own `B` slots, never another block."""
+
+    context: torch.Tensor | None
+    block_size: int
+
+
+def block_training_attention(query, ctx_k, ctx_v, block_k, block_v, mask: BlockTrainingMask, groups: int):
+    """`softmax(q k^T / sqrt(d)) v` over `[allowed context ; own block]` keys, for `[b, h, A * B, d]` queries.
+
+    Equal to SDPA over `[context ; all blocks]` keys with the dense block-diagonal mask, without scoring
+    each query against the `(A - 1) * B` keys of the other blocks (most of that product when `A * B`
+    exceeds the context length, as in training). Keys and values have `h / groups` heads.
+    """
+    b, h, q, d = query.shape
+    bsz = mask.block_size
+    num_blocks = q // bsz
+    scale = d ** -0.5
+    block_k = block_k.repeat_interleave(groups, dim=1).view(b, h, num_blocks, bsz, d)
+    block_v = block_v.repeat_interleave(groups, dim=1).view(b, h, num_blocks, bsz, d)
+    scores = [(query.view(b, h, num_blocks, bsz, d) @ block_k.transpose(-1, -2)).view(b, h, q, bsz) * scale]
+    if ctx_k is not None:
+        ctx_k, ctx_v = ctx_k.repeat_interleave(groups, dim=1), ctx_v.repeat_interleave(groups, dim=1)
+        ctx_scores = (query @ ctx_k.transpose(-1, -2)) * scale
+        scores.insert(0, ctx_scores.masked_fill(~mask.context, float("-inf")))
+    probs = torch.softmax(torch.cat(scores, dim=-1), dim=-1)  # a block always sees itself: no empty row
+    out = (probs[..., -bsz:].reshape(b, h, num_blocks, bsz, bsz) @ block_v).view(b, h, q, d)
+    if ctx_k is not None:
+        out = out + probs[..., :-bsz] @ ctx_v
+    return out
+
+
 class TreeSparkAttention(nn.Module):
     """Block queries over `[context ; block]` keys; no causal mask (the block is bidirectional)."""
 
@@ -144,7 +178,7 @@ class TreeSparkAttention(nn.Module):
         block_rope: tuple[torch.Tensor, torch.Tensor],
         context: torch.Tensor | None,  # [b, s_new, H] projected context not yet in the cache
         context_rope: tuple[torch.Tensor, torch.Tensor] | None,
-        attention_mask: torch.Tensor | None,  # [b, 1, q, s_ctx + q], bool (True = attend)
+        attention_mask: BlockTrainingMask | None,  # training's blocks; None: one block sees all context
         cache: DrafterContextCache | None,
     ) -> torch.Tensor:
         b, q, _ = block.shape
@@ -159,13 +193,16 @@ class TreeSparkAttention(nn.Module):
             ctx_k, ctx_v = cache.keys[self.layer_idx], cache.values[self.layer_idx]
         else:
             ctx_k = ctx_v = None
-        if ctx_k is not None:
-            block_k = torch.cat([ctx_k, block_k], dim=-2)
-            block_v = torch.cat([ctx_v, block_v], dim=-2)
         groups = self.num_heads // self.num_kv_heads
-        block_k = block_k.repeat_interleave(groups, dim=1)
-        block_v = block_v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(query, block_k, block_v, attn_mask=attention_mask)  # [b, heads, q, hd]
+        if isinstance(attention_mask, BlockTrainingMask):  # training: many blocks, each sees only itself
+            out = block_training_attention(query, ctx_k, ctx_v, block_k, block_v, attention_mask, groups)
+        else:
+            if ctx_k is not None:
+                block_k = torch.cat([ctx_k, block_k], dim=-2)
+                block_v = torch.cat([ctx_v, block_v], dim=-2)
+            block_k = block_k.repeat_interleave(groups, dim=1)
+            block_v = block_v.repeat_interleave(groups, dim=1)
+            out = F.scaled_dot_product_attention(query, block_k, block_v, attn_mask=attention_mask)  # [b, h, q, hd]
         return self.o_proj(out.transpose(1, 2).reshape(b, q, self.num_heads * self.head_dim))
 
 
@@ -516,21 +553,17 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
             logits = self.depth_logits(hidden_slots)
         return TreeSparkDrafterOutput(hidden_states=hidden, depth_logits=logits)
 
-    def _training_mask(self, anchor_positions, context_positions, context_valid) -> torch.Tensor:
-        """Bool `[b, 1, A * B, s + A * B]`: a block sees context `< anchor` and its own `B` slots."""
-        b, num_anchors = anchor_positions.shape
+    def _training_mask(self, anchor_positions, context_positions, context_valid) -> BlockTrainingMask:
+        """Block `a` sees context positions `< anchor_positions[a]` (and valid) and its own `B` slots."""
         bsz = self.config.block_size
-        device = anchor_positions.device
-        q_anchor = anchor_positions.repeat_interleave(bsz, dim=1)  # [b, A * B]
-        parts = []
+        sees_ctx = None
         if context_positions is not None:
+            q_anchor = anchor_positions.repeat_interleave(bsz, dim=1)  # [b, A * B]
             sees_ctx = context_positions[:, None, :] < q_anchor[:, :, None]  # [b, A * B, s]
             if context_valid is not None:
                 sees_ctx = sees_ctx & context_valid[:, None, :]
-            parts.append(sees_ctx)
-        block_id = torch.arange(num_anchors, device=device).repeat_interleave(bsz)
-        parts.append((block_id[:, None] == block_id[None, :]).expand(b, -1, -1))
-        return torch.cat(parts, dim=-1)[:, None]
+            sees_ctx = sees_ctx[:, None]
+        return BlockTrainingMask(sees_ctx, bsz)
 
     # ----- saving and loading -------------------------------------------------------------------
     def save_pretrained(self, save_directory, *args, dtype: torch.dtype | None = None, **kwargs):

@@ -142,3 +142,24 @@ def test_cached_drafting_equals_uncached_block_attention(pair):
                        target_features=feats, context_positions=torch.arange(12)[None])
     assert cache.get_seq_length() == anchor
     assert torch.allclose(cached.depth_logits, full.depth_logits, atol=1e-4)
+
+
+def test_training_blocks_each_equal_a_cached_draft_of_their_anchor(pair):
+    """Many anchors per sequence (training's block attention, which never scores a block against another
+    block's keys) give each block what one cached inference draft of that anchor gives."""
+    target, drafter = pair
+    drafter.bind_target(target)
+    ids = torch.randint(4, 100, (2, 16))
+    with torch.no_grad():
+        hs = target(ids, output_hidden_states=True).hidden_states
+        feats = torch.cat([hs[i + 1] for i in drafter.config.target_layer_ids], -1)
+        anchors = torch.tensor([[1, 7, 12], [5, 9, 15]])
+        out = drafter(anchor_ids=ids.gather(1, anchors), anchor_positions=anchors, target_features=feats,
+                      context_positions=torch.arange(16).expand(2, -1))
+        bsz = drafter.config.block_size
+        blocks = out.depth_logits.view(2, anchors.shape[1], bsz, -1)
+        for b in range(2):
+            for a, anchor in enumerate(anchors[b].tolist()):
+                one = drafter(anchor_ids=ids[b:b + 1, anchor:anchor + 1], anchor_positions=torch.tensor([[anchor]]),
+                              target_features=feats[b:b + 1, :anchor], context_cache=drafter.new_context_cache())
+                assert torch.allclose(blocks[b, a], one.depth_logits[0], atol=1e-4), (b, anchor)

@@ -151,9 +151,12 @@ class TrainingObjective(nn.Module):
         depth_logits = out.depth_logits.view(b, num_anchors, bsz, -1)  # U_k
 
         with torch.no_grad():  # reference distributions q_k: target logits at position a + k - 1
+            # once per position (the blocks of nearby anchors overlap), then gathered per (anchor, depth)
             ref_pos = pos[:, :, :-1].clamp(max=t_len - 1).reshape(b, -1)
-            ref_h = reference_hidden.gather(1, ref_pos[:, :, None].expand(-1, -1, reference_hidden.shape[-1]))
-            reference_probs = torch.softmax(drafter.depth_logits(ref_h), -1).view(b, num_anchors, bsz, -1)
+            position_probs = torch.softmax(drafter.depth_logits(reference_hidden), -1)  # [b, T, |S|]
+            reference_probs = position_probs.gather(1, ref_pos[:, :, None].expand(-1, -1, position_probs.shape[-1]))
+            reference_probs = reference_probs.view(b, num_anchors, bsz, -1)
+            del position_probs
 
         w = depth_weights(bsz, cfg.gamma, device)
         row_w = (w * valid.float()).reshape(-1)  # [M]
