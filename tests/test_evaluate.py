@@ -66,3 +66,29 @@ def test_training_with_eval_every_writes_and_plots_a_learning_curve(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     resumed = tiny_trainer(tmp_path, max_steps=4, eval_every=2, eval_budget=4)
     assert resumed.resume() and resumed.anchors_seen == curve[2]["anchors_seen"]
+
+
+def test_plot_runs_draws_several_learning_curves_and_refuses_a_run_without_one(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "plot_runs.py"
+    runs = []
+    for name, lengths in (("a", [1.0, 1.1]), ("b", [1.0, 1.2, 1.3])):
+        path = tmp_path / f"{name}.jsonl"
+        lines = [{"step": 10 * i, "anchors_seen": 100 * i, "dev_acceptance_length": value,
+                  "dev_depth_rates": [value - 1.0]} for i, value in enumerate(lengths)]
+        lines.insert(1, {"step": 5, "loss": 3.0})  # training-loss lines are skipped
+        path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+        runs.append(f"run {name}={path}")
+    out = tmp_path / "curves.png"
+    done = subprocess.run([sys.executable, str(script), str(out), *runs], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text('{"step": 1, "loss": 2.0}\n')
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "x.png"), f"none={empty}"],
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and "has no development-set evaluation" in done.stderr
