@@ -384,3 +384,18 @@ def test_replay_anchors_must_be_a_positive_count(bad):
     with pytest.raises(ValueError, match="replay_anchors must be a positive number of anchors per sequence"):
         LossConfig(replay_anchors=bad)
     assert LossConfig(replay_anchors=16).replay_anchors == 16 and LossConfig().replay_anchors is None
+
+
+def test_a_run_resumed_with_another_lr_follows_the_new_peak_on_the_same_schedule(tmp_path, capsys):
+    first = tiny_trainer(tmp_path / "run", max_steps=6, lr=2e-3)
+    first.train(resume=False, progress=False, stop_after=3)  # checkpoint at step 3
+    kept = tiny_trainer(tmp_path / "run", max_steps=6, lr=2e-3)
+    assert kept.resume() and "[resume]" not in capsys.readouterr().out
+    changed = tiny_trainer(tmp_path / "run", max_steps=6, lr=5e-4)
+    assert changed.resume() and changed.step == 3
+    assert "peak learning rate 0.0005 from step 3 on (the checkpoint's run used 0.002)" in capsys.readouterr().out
+    for old, new in zip(kept.optimizer.param_groups, changed.optimizer.param_groups, strict=True):
+        assert new["lr"] == pytest.approx(old["lr"] / 4) and new["lr"] > 0
+    changed.train(resume=False, progress=False, stop_after=1)
+    kept.train(resume=False, progress=False, stop_after=1)
+    assert changed.scheduler.get_last_lr()[0] == pytest.approx(kept.scheduler.get_last_lr()[0] / 4)

@@ -429,7 +429,22 @@ class Trainer:
                                "resumes from the checkpoint before it.") from err
         self.step = int(state["step"])
         self.anchors_seen = int(state.get("anchors_seen", 0))
+        saved_lr = state.get("config", {}).get("lr")
+        if saved_lr is not None and saved_lr != self.config.lr:
+            self._set_peak_lr(self.config.lr)
+            if self.accelerator.is_main_process:
+                print(f"[resume] peak learning rate {self.config.lr:g} from step {self.step} on (the checkpoint's run "
+                      f"used {saved_lr:g}); the schedule's shape is unchanged")
         return True
+
+    def _set_peak_lr(self, lr: float) -> None:
+        """Rescale the schedule to the peak `lr` (a resumed scheduler would keep the checkpoint's)."""
+        scheduler = self.scheduler
+        scheduler.base_lrs = [lr] * len(scheduler.base_lrs)
+        factor = scheduler.lr_lambdas[0](scheduler.last_epoch)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * factor
+        scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
     # ----- training -----------------------------------------------------------------------------
     def _epoch_loader(self, epoch: int, skip_batches: int):
