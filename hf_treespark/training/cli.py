@@ -61,7 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-steps", type=int, help="optimizer steps to train (default: --epochs epochs)")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per process per micro-step")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
-    p.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (AdamW, cosine schedule); a resumed run given another value follows the same schedule scaled to it")
+    p.add_argument("--lr", type=float, default=6e-4,
+                   help="peak learning rate (AdamW, cosine schedule); a resumed run given another value follows "
+                        "the same schedule scaled to it")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     p.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon")
     p.add_argument("--anchors", type=int, default=64, help="anchors per sequence")
