@@ -39,7 +39,7 @@ def main() -> None:
     for ax in (length, depth1):
         ax.set_xlabel("training anchors seen")
         ax.grid(alpha=0.3)
-    length.legend(loc="lower right")
+    length.legend(loc="upper left", fontsize="small")  # rising curves leave that corner free
     fig.tight_layout()
     Path(args.out_png).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out_png, dpi=110)
