@@ -628,7 +628,25 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
             raise OSError(f"Refusing the TreeSpark drafter checkpoint at {pretrained_model_name_or_path!r}: it does "
                           f"not match its config ({bad}). The file is incomplete or from another model.")
         model.__dict__["_stored_dtype"] = _stored_dtype(pretrained_model_name_or_path, kwargs)
+        _align_tensors(model)
         return (model, info) if want_info else model
+
+
+TENSOR_ALIGNMENT = 64  # bytes: what torch's CPU allocator gives every fresh tensor
+
+
+@torch.no_grad()
+def _align_tensors(model: nn.Module) -> None:
+    """Copy each CPU parameter and buffer that does not start on a `TENSOR_ALIGNMENT` boundary into fresh storage.
+
+    Weights read from a safetensors file can sit at any 4-byte offset of it, and BLAS kernels round
+    differently at different alignments (a linear layer's output moved by an ulp): a reloaded drafter
+    would not compute bit for bit what it computed when it was saved. Aligned, it does.
+    """
+    for module in model.modules():
+        for _, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            if tensor is not None and tensor.device.type == "cpu" and tensor.data_ptr() % TENSOR_ALIGNMENT:
+                tensor.data = tensor.data.clone()
 
 
 def _head_source(head: nn.Module) -> tuple:
