@@ -644,8 +644,8 @@ def _align_tensors(model: nn.Module) -> None:
     would not compute bit for bit what it computed when it was saved. Aligned, it does.
     """
     for module in model.modules():
-        for _, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
-            if tensor is not None and tensor.device.type == "cpu" and tensor.data_ptr() % TENSOR_ALIGNMENT:
+        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            if tensor.device.type == "cpu" and tensor.data_ptr() % TENSOR_ALIGNMENT:
                 tensor.data = tensor.data.clone()
 
 

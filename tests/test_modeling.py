@@ -8,6 +8,7 @@ from conftest import make_drafter, make_target
 
 from hf_treespark import TreeSparkConfig, TreeSparkDrafter
 from hf_treespark.configuration import default_target_layer_ids
+from hf_treespark.engine import target_features
 
 
 @pytest.fixture
@@ -128,9 +129,7 @@ def test_cached_drafting_equals_uncached_block_attention(pair):
     target, drafter = pair
     drafter.bind_target(target)
     ids = torch.randint(4, 100, (1, 12))
-    with torch.no_grad():
-        hs = target(ids, output_hidden_states=True).hidden_states
-    feats = torch.cat([hs[i + 1] for i in drafter.config.target_layer_ids], -1)
+    feats, _ = target_features(target, drafter.config.target_layer_ids, ids, torch.ones_like(ids))
     anchor = 10
     cache = drafter.new_context_cache()
     with torch.no_grad():
@@ -150,9 +149,8 @@ def test_training_blocks_each_equal_a_cached_draft_of_their_anchor(pair):
     target, drafter = pair
     drafter.bind_target(target)
     ids = torch.randint(4, 100, (2, 16))
+    feats, _ = target_features(target, drafter.config.target_layer_ids, ids, torch.ones_like(ids))
     with torch.no_grad():
-        hs = target(ids, output_hidden_states=True).hidden_states
-        feats = torch.cat([hs[i + 1] for i in drafter.config.target_layer_ids], -1)
         anchors = torch.tensor([[1, 7, 12], [5, 9, 15]])
         out = drafter(anchor_ids=ids.gather(1, anchors), anchor_positions=anchors, target_features=feats,
                       context_positions=torch.arange(16).expand(2, -1))
