@@ -45,6 +45,15 @@ class TreeSparkConfig(PretrainedConfig):
             proposes from (frequency-ranked ids, stored in the checkpoint as the buffer
             `draft_vocab_ids`); None: the whole target vocabulary. Verification always uses the full
             vocabulary, so decoding stays lossless (SPEC section 2b).
+        anchor_features: also feed the projected target features of the position before the anchor
+            (`ctx[a - 1]`, the newest committed position) into every block slot's input through a
+            zero-initialised `anchor_proj`, besides the KV injection; False keeps the SPEC's
+            KV-only conditioning (and every checkpoint saved without the field).
+        normalize_features: standardise each target feature dimension before `fc`,
+            `(f - feature_mean) * feature_scale`, with per-dimension statistics of the training data
+            saved as buffers (`TreeSparkDrafter.set_feature_statistics`). A small target's hidden
+            states carry a few dimensions hundreds of times larger than the rest, which otherwise
+            dominate `fc`'s output and its updates; standardising is a reparametrisation of `fc`.
     """
 
     model_type = "treespark"
@@ -75,6 +84,8 @@ class TreeSparkConfig(PretrainedConfig):
         acceptance_profile: dict[str, float] | None = None,
         tree_lookup: int = 0,
         draft_vocab_size: int | None = None,
+        anchor_features: bool = False,
+        normalize_features: bool = False,
         initializer_range: float = 0.02,
         **kwargs,
     ):
@@ -105,6 +116,8 @@ class TreeSparkConfig(PretrainedConfig):
         self.acceptance_profile = _acceptance_profile(acceptance_profile)
         self.tree_lookup = tree_lookup
         self.draft_vocab_size = draft_vocab_size
+        self.anchor_features = bool(anchor_features)
+        self.normalize_features = bool(normalize_features)
         self.initializer_range = initializer_range
         kwargs.pop("hidden_size", None)  # always equal to target_hidden_size
         kwargs.pop("vocab_size", None)  # always equal to target_vocab_size (a property)

@@ -97,6 +97,7 @@ class DrafterContextCache:
     def __init__(self, num_layers: int):
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.last_context: torch.Tensor | None = None  # `[b, 1, H]` projected context of the newest position
 
     def get_seq_length(self) -> int:
         return 0 if self.keys[0] is None else self.keys[0].shape[-2]
@@ -292,8 +293,12 @@ class TreeSparkPreTrainedModel(PreTrainedModel):
         elif isinstance(module, TreeSparkRotaryEmbedding):
             # A non-persistent buffer: from_pretrained materialises it empty and relies on this to fill it.
             module.inv_freq.copy_(module.compute_inv_freq(module.inv_freq.device))
-        elif isinstance(module, TreeSparkDrafter) and module.mask_embedding is not None:
-            module.mask_embedding.normal_(0.0, std)
+        elif isinstance(module, TreeSparkDrafter):
+            if module.mask_embedding is not None:
+                module.mask_embedding.normal_(0.0, std)
+            if module.feature_mean is not None:  # identity until set_feature_statistics
+                module.feature_mean.zero_()
+                module.feature_scale.fill_(1.0)
 
 
 class TreeSparkDrafter(TreeSparkPreTrainedModel):
@@ -313,6 +318,17 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
         else:
             self.register_buffer("draft_vocab_ids", None)
         self.confidence_head = ConfidenceHead(hidden, config.markov_rank) if config.use_confidence_head else None
+        width = config.num_target_features * config.target_hidden_size
+        if config.normalize_features:  # set from training data by `set_feature_statistics`
+            self.register_buffer("feature_mean", torch.zeros(width), persistent=True)
+            self.register_buffer("feature_scale", torch.ones(width), persistent=True)
+        else:
+            self.register_buffer("feature_mean", None)
+            self.register_buffer("feature_scale", None)
+        self.anchor_proj = None
+        if config.anchor_features:  # zero-initialised: starts as the KV-only drafter
+            self.anchor_proj = nn.Linear(hidden, hidden, bias=False)
+            self.anchor_proj.zero_init = True
         self.mask_embedding = nn.Parameter(torch.zeros(hidden)) if config.mask_token_id is None else None
         self.__dict__["_target_modules"] = None  # (embed_tokens, lm_head) of the bound target; not registered
         self.post_init()
@@ -436,8 +452,27 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
 
     # ----- pieces used by tree drafting and training ------------------------------------------
     def project_context(self, target_features: torch.Tensor) -> torch.Tensor:
-        """`ctx = hidden_norm(fc(features))`: `[b, s, n_layers * d_target] -> [b, s, H]`."""
-        return self.hidden_norm(self.fc(target_features.to(self.fc.weight.dtype)))
+        """`ctx = hidden_norm(fc(features))`: `[b, s, n_layers * d_target] -> [b, s, H]` (features standardised
+        first with `config.normalize_features`)."""
+        dtype = self.fc.weight.dtype
+        features = target_features.to(dtype)
+        if self.feature_mean is not None:
+            features = (features - self.feature_mean.to(dtype)) * self.feature_scale.to(dtype)
+        return self.hidden_norm(self.fc(features))
+
+    @torch.no_grad()
+    def set_feature_statistics(self, features: torch.Tensor, floor: float = 0.1) -> None:
+        """Per-dimension mean and scale of target features `[n, n_layers * d_target]` (training positions),
+        for `config.normalize_features`. A dimension's standard deviation is floored at `floor` times the
+        median of its layer's, so near-constant dimensions are not blown up."""
+        if self.feature_mean is None:
+            raise ValueError("this drafter does not standardise its features (config.normalize_features=False)")
+        features = features.reshape(-1, self.feature_mean.numel()).double()
+        std = features.std(0)
+        per_layer = std.view(self.config.num_target_features, -1)
+        std = torch.maximum(per_layer, floor * per_layer.median(dim=1, keepdim=True).values).reshape(-1)
+        self.feature_mean.copy_(features.mean(0).to(self.feature_mean.dtype))
+        self.feature_scale.copy_((1.0 / std).to(self.feature_scale.dtype))
 
     def block_embeddings(self, anchor_ids: torch.Tensor) -> torch.Tensor:
         """anchor_ids [b, A] -> embeddings of `[x0, MASK * (B - 1)]` per anchor, `[b, A * B, H]`."""
@@ -534,6 +569,9 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
                 context_positions = context_positions.expand(b, -1)
             context_rope = self.rotary_emb(context_positions, dtype)
 
+        if self.anchor_proj is not None:
+            block = block + self._anchor_context(context, anchor_positions, context_cache, bsz)
+
         attention_mask = None
         if context_cache is None:
             attention_mask = self._training_mask(anchor_positions, context_positions, context_valid)
@@ -552,6 +590,30 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
                 hidden_slots = hidden
             logits = self.depth_logits(hidden_slots)
         return TreeSparkDrafterOutput(hidden_states=hidden, depth_logits=logits)
+
+    def _anchor_context(self, context, anchor_positions, context_cache, bsz: int) -> torch.Tensor:
+        """`anchor_proj(ctx[a - 1])` for each anchor `a`, repeated over its `B` slots: `[b, A * B, H]`.
+
+        With a cache, `ctx[a - 1]` is the newest context position (the last row of the new context, or the
+        one the cache kept from the previous pass). Without one (training), context row `j` is position `j`;
+        an anchor at position 0 has no context and gets zeros.
+        """
+        b, num_anchors = anchor_positions.shape
+        hidden = self.config.hidden_size
+        if context_cache is not None:
+            if context is not None:
+                context_cache.last_context = context[:, -1:]
+            last = context_cache.last_context
+            if last is None:
+                return torch.zeros(b, num_anchors * bsz, hidden, dtype=self.fc.weight.dtype,
+                                   device=anchor_positions.device)
+            return self.anchor_proj(last).expand(b, num_anchors * bsz, hidden)
+        if context is None:
+            return torch.zeros(b, num_anchors * bsz, hidden, dtype=self.fc.weight.dtype, device=anchor_positions.device)
+        before = (anchor_positions - 1).clamp(min=0)
+        rows = context.gather(1, before[:, :, None].expand(-1, -1, hidden))  # [b, A, H]
+        rows = rows * (anchor_positions > 0)[:, :, None].to(rows.dtype)
+        return self.anchor_proj(rows).repeat_interleave(bsz, dim=1)
 
     def _training_mask(self, anchor_positions, context_positions, context_valid) -> BlockTrainingMask:
         """Block `a` sees context positions `< anchor_positions[a]` (and valid) and its own `B` slots."""

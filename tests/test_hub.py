@@ -136,6 +136,43 @@ def test_save_drafter_writes_remote_code_card_and_weights_without_target_parts(t
     assert_same_outputs(draft_outputs(reloaded.eval(), target, input_ids), want)
 
 
+def test_feature_statistics_and_anchor_features_survive_save_and_load(tmp_path, target, input_ids):
+    """The standardisation buffers and the anchor projection are weights of the checkpoint: a reloaded drafter
+    drafts exactly what the saved one did (not the identity statistics a fresh drafter starts with)."""
+    drafter = tiny_drafter(target, anchor_features=True, normalize_features=True)
+    width = drafter.config.num_target_features * drafter.config.target_hidden_size
+    generator = torch.Generator().manual_seed(3)
+    drafter.set_feature_statistics(3.0 + 5.0 * torch.randn(200, width, generator=generator))
+    with torch.no_grad():
+        drafter.anchor_proj.weight.normal_(0.0, 0.3, generator=generator)
+    assert not torch.allclose(drafter.feature_mean, torch.zeros(width))
+    want = draft_outputs(drafter, target, input_ids)
+    save_drafter(drafter, tmp_path)
+    reloaded = AutoModel.from_pretrained(tmp_path).eval()
+    assert torch.equal(reloaded.feature_mean, drafter.feature_mean)
+    assert torch.equal(reloaded.feature_scale, drafter.feature_scale)
+    assert_same_outputs(draft_outputs(reloaded, target, input_ids), want)
+
+
+def test_set_feature_statistics_standardises_each_dimension(target):
+    drafter = tiny_drafter(target, normalize_features=True)
+    width = drafter.config.num_target_features * drafter.config.target_hidden_size
+    generator = torch.Generator().manual_seed(0)
+    scales = 50 + 50 * torch.rand(width, generator=generator)  # all above the floor (10% of the median)
+    features = 7.0 + scales * torch.randn(4000, width, generator=generator)
+    features[:, 0] = 2.0  # a constant dimension: floored, not divided by zero
+    drafter.set_feature_statistics(features)
+    standard = (features - drafter.feature_mean) * drafter.feature_scale
+    assert standard[:, 1:].mean(0).abs().max() < 1e-3
+    assert (standard[:, 1:].std(0) - 1).abs().max() < 1e-3
+    assert torch.isfinite(drafter.feature_scale).all() and standard[:, 0].abs().max() < 1e-3
+    with torch.no_grad():
+        manual = drafter.hidden_norm(drafter.fc(standard[:5]))
+        assert torch.allclose(drafter.project_context(features[:5]), manual, atol=1e-5)
+    with pytest.raises(ValueError, match="normalize_features=False"):
+        tiny_drafter(target).set_feature_statistics(features)
+
+
 def test_save_drafter_keeps_an_existing_readme(tmp_path, drafter):
     (tmp_path / "README.md").write_text("my own card")
     save_drafter(drafter, tmp_path)
@@ -498,6 +535,13 @@ def test_export_dspark_refuses_learned_mask_embedding(tmp_path, target):
     learned_mask = tiny_drafter(target, mask_token_id=None)
     with pytest.raises(DSparkConversionError, match="learned mask embedding"):
         export_dspark_checkpoint(learned_mask, target, tmp_path)
+    assert not (tmp_path / "model.safetensors").exists()
+
+
+def test_export_dspark_refuses_anchor_features(tmp_path, target):
+    with_anchor = tiny_drafter(target, anchor_features=True)
+    with pytest.raises(DSparkConversionError, match="anchor_features=True"):
+        export_dspark_checkpoint(with_anchor, target, tmp_path)
     assert not (tmp_path / "model.safetensors").exists()
 
 

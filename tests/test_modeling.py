@@ -17,6 +17,34 @@ def pair():
     return target, make_drafter(target)
 
 
+@pytest.fixture(params=[False, True], ids=["kv-only", "anchor-features"])
+def drafting_pair(request):
+    """A drafter with the SPEC's KV-only conditioning, and one that also feeds `ctx[a - 1]` into its block
+    (`anchor_features`, its zero-initialised projection made non-zero so that it matters)."""
+    target = make_target("qwen3")
+    drafter = make_drafter(target, anchor_features=request.param)
+    if request.param:
+        with torch.no_grad():
+            drafter.anchor_proj.weight.normal_(0.0, 0.5)
+    return target, drafter
+
+
+def test_anchor_features_start_at_zero_and_change_the_draft():
+    target = make_target("qwen3")
+    assert make_drafter(target).anchor_proj is None
+    drafter = make_drafter(target, anchor_features=True).bind_target(target)
+    assert torch.count_nonzero(drafter.anchor_proj.weight) == 0  # a fresh drafter drafts as the KV-only one
+    ids = torch.randint(4, 100, (1, 9))
+    feats, _ = target_features(target, drafter.config.target_layer_ids, ids, torch.ones_like(ids))
+    kwargs = dict(anchor_ids=ids[:, 8:9], anchor_positions=torch.tensor([[8]]), target_features=feats[:, :8],
+                  context_positions=torch.arange(8)[None])
+    with torch.no_grad():
+        before = drafter(**kwargs).depth_logits
+        drafter.anchor_proj.weight.normal_(0.0, 0.5)
+        after = drafter(**kwargs).depth_logits
+    assert not torch.allclose(before, after)
+
+
 def test_markov_head_formula_and_shapes(pair):
     _, drafter = pair
     parents = torch.tensor([[3, 7], [1, 0]])
@@ -124,9 +152,9 @@ def test_learned_mask_embedding_when_no_spare_id():
     assert torch.equal(emb[0, 1], drafter.mask_embedding)
 
 
-def test_cached_drafting_equals_uncached_block_attention(pair):
+def test_cached_drafting_equals_uncached_block_attention(drafting_pair):
     """Inference (context cache, appended in two pieces) and training (mask) paths draft the same block."""
-    target, drafter = pair
+    target, drafter = drafting_pair
     drafter.bind_target(target)
     ids = torch.randint(4, 100, (1, 12))
     feats, _ = target_features(target, drafter.config.target_layer_ids, ids, torch.ones_like(ids))
@@ -143,10 +171,10 @@ def test_cached_drafting_equals_uncached_block_attention(pair):
     assert torch.allclose(cached.depth_logits, full.depth_logits, atol=1e-4)
 
 
-def test_training_blocks_each_equal_a_cached_draft_of_their_anchor(pair):
+def test_training_blocks_each_equal_a_cached_draft_of_their_anchor(drafting_pair):
     """Many anchors per sequence (training's block attention, which never scores a block against another
     block's keys) give each block what one cached inference draft of that anchor gives."""
-    target, drafter = pair
+    target, drafter = drafting_pair
     drafter.bind_target(target)
     ids = torch.randint(4, 100, (2, 16))
     feats, _ = target_features(target, drafter.config.target_layer_ids, ids, torch.ones_like(ids))

@@ -241,3 +241,36 @@ def test_a_draft_vocab_size_above_the_target_vocabulary_is_refused(tiny_files, t
     vocab = make_target("llama").config.vocab_size
     assert train(tiny_files, tmp_path / "run", "--draft-vocab-size", str(vocab + 1)) == 2
     assert f"--draft-vocab-size {vocab + 1} exceeds the target's vocabulary of {vocab} ids" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--updates-per-batch", "0"], "--updates-per-batch must be at least 1 (got 0)"),
+    (["--updates-per-batch", "2", "--grad-accum", "2"], "--updates-per-batch 2 with --grad-accum 2"),
+])
+def test_bad_updates_per_batch_is_refused_before_any_work(tiny_files, tmp_path, capsys, extra, message):
+    assert train(tiny_files, tmp_path / "run", *extra) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_normalize_features_sets_statistics_once_and_a_resumed_run_keeps_them(tiny_files, tmp_path, monkeypatch):
+    from hf_treespark import TreeSparkDrafter
+    from hf_treespark.training.trainer import Trainer
+
+    out = tmp_path / "run"
+    assert train(tiny_files, out, "--normalize-features", "--anchor-features", "--max-steps", "2",
+                 "--no-feature-cache") == 0
+    first = TreeSparkDrafter.from_pretrained(out / "final")
+    assert first.config.normalize_features and first.config.anchor_features
+    assert torch.count_nonzero(first.feature_mean) > 0 and torch.isfinite(first.feature_scale).all()
+    assert not torch.equal(first.feature_scale, torch.ones_like(first.feature_scale))
+
+    calls = []
+    real = Trainer.set_feature_statistics
+    monkeypatch.setattr(Trainer, "set_feature_statistics", lambda self, *a, **k: calls.append(1) or real(self))
+    assert train(tiny_files, out, "--normalize-features", "--anchor-features", "--max-steps", "3",
+                 "--no-feature-cache") == 0
+    assert calls == []  # resumed: the statistics come from the checkpoint
+    resumed = TreeSparkDrafter.from_pretrained(out / "final")
+    assert torch.equal(resumed.feature_mean, first.feature_mean)
+    assert torch.equal(resumed.feature_scale, first.feature_scale)

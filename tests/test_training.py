@@ -278,6 +278,56 @@ def test_resume_reaches_the_same_parameters(tmp_path):
         assert torch.allclose(got[key], value, atol=1e-6, rtol=0), key
 
 
+def test_updates_per_batch_splits_one_batch_into_disjoint_anchor_sets_and_resumes_mid_batch(tmp_path, monkeypatch):
+    """K updates per batch: one target forward per batch, K micro-steps on disjoint anchors that together are
+    the batch's `K * A` anchors; a run stopped between two micro-steps of a batch resumes to the same weights."""
+    from hf_treespark.training import trainer as trainer_module
+
+    calls = {"features": 0}
+    real_features = trainer_module.Trainer._features
+
+    def counting_features(self, batch):
+        calls["features"] += 1
+        return real_features(self, batch)
+
+    monkeypatch.setattr(trainer_module.Trainer, "_features", counting_features)
+    trainer = tiny_trainer(tmp_path / "probe", max_steps=8, updates_per_batch=2)
+    assert trainer.steps_per_epoch == 8  # 8 references, batches of 2, 2 updates each
+    steps = list(trainer._micro_steps(0, 0))
+    assert len(steps) == 8 and calls["features"] == 4
+    for first, second in zip(steps[::2], steps[1::2]):
+        batch = first[0]
+        assert second[0] is batch and second[1] is first[1]  # the same batch and target features
+        whole, whole_valid = sample_anchors(batch["lengths"], batch["prompt_lens"], batch["indices"], 16, 0, 0)
+        for row in range(len(batch["lengths"])):
+            a = set(first[2][row][first[3][row]].tolist())
+            b = set(second[2][row][second[3][row]].tolist())
+            assert a and b and not a & b
+            assert a | b == set(whole[row][whole_valid[row]].tolist())
+    resumed_steps = list(trainer._micro_steps(0, 3))  # from the second micro-step of the second batch
+    assert len(resumed_steps) == 5 and torch.equal(resumed_steps[0][2], steps[3][2])
+
+    full = tiny_trainer(tmp_path / "full", max_steps=6, updates_per_batch=2)
+    full.train(resume=False, progress=False)
+    expected = _snapshot(full)
+    first_run = tiny_trainer(tmp_path / "split", max_steps=6, updates_per_batch=2)
+    first_run.train(resume=False, progress=False, stop_after=4)  # checkpoint at step 3: mid-batch
+    resumed = tiny_trainer(tmp_path / "split", max_steps=6, updates_per_batch=2)
+    assert resumed.resume() and resumed.step == 3
+    resumed.train(resume=False, progress=False)
+    got = _snapshot(resumed)
+    for key, value in expected.items():
+        assert torch.allclose(got[key], value, atol=1e-6, rtol=0), key
+    assert resumed.anchors_seen == full.anchors_seen
+
+
+def test_updates_per_batch_and_grad_accum_are_refused_together():
+    with pytest.raises(ValueError, match="updates_per_batch .* and grad_accum .* set one of them to 1"):
+        TrainConfig(updates_per_batch=2, grad_accum=2)
+    with pytest.raises(ValueError, match="updates_per_batch must be at least 1"):
+        TrainConfig(updates_per_batch=0)
+
+
 class _Killed(BaseException):
     """Stands for SIGKILL: nothing after it runs, no `except Exception` catches it."""
 

@@ -49,6 +49,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-dim", type=int, help="override the preset's head dim")
     p.add_argument("--intermediate-size", type=int, default=1536, help="drafter MLP width")
     p.add_argument("--markov-rank", type=int, default=256, help="rank r of the Markov head")
+    p.add_argument("--normalize-features", action=argparse.BooleanOptionalAction, default=False,
+                   help="standardise each target feature dimension before the drafter's fc, with statistics of "
+                        "the training data (a fresh drafter's `normalize_features`; see TreeSparkConfig)")
+    p.add_argument("--anchor-features", action=argparse.BooleanOptionalAction, default=False,
+                   help="also feed the target features of the position before the anchor into every block slot "
+                        "(a fresh drafter's `anchor_features`; see TreeSparkConfig)")
     p.add_argument("--draft-vocab-size", type=int,
                    help="train over the N target ids most frequent in the responses of the data (a draft vocabulary: "
                         "the LM-head work shrinks by V/N); 0 = the whole vocabulary; default: the drafter's own "
@@ -66,7 +72,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the same schedule scaled to it")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     p.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon")
-    p.add_argument("--anchors", type=int, default=64, help="anchors per sequence")
+    p.add_argument("--anchors", type=int, default=64, help="anchors per sequence in one optimizer step")
+    p.add_argument("--updates-per-batch", type=int, default=1,
+                   help="optimizer steps from one batch's target forward, each on its own --anchors anchors per "
+                        "sequence (without a feature cache the target forward is about half of a step)")
     p.add_argument("--save-every", type=int, default=50, help="optimizer steps between checkpoints")
     p.add_argument("--feature-cache", help="directory for cached target features (default: OUTPUT_DIR/feature_cache;"
                    " measured faster than a target forward per step on a 2-core CPU); one per --max-length, data"
@@ -108,7 +117,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     LossConfig(**args.loss)  # refuses values that cannot work
     at_least_one = ("num_prompts", "regen_batch_size", "regen_max_new_tokens", "draft_layers", "heads", "kv_heads",
                     "intermediate_size", "markov_rank", "max_length", "batch_size", "grad_accum", "anchors",
-                    "save_every", "eval_budget")
+                    "updates_per_batch", "save_every", "eval_budget")
     if args.eval_every < 0:
         raise ValueError(f"--eval-every must be >= 0 (got {args.eval_every}); 0 turns the learning curve off")
     if args.dev_data and not Path(args.dev_data).is_file():
@@ -116,6 +125,10 @@ def check_arguments(args: argparse.Namespace) -> None:
     for name in at_least_one:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)})")
+    if args.updates_per_batch > 1 and args.grad_accum > 1:
+        raise ValueError(f"--updates-per-batch {args.updates_per_batch} with --grad-accum {args.grad_accum}: the one "
+                         "makes several updates from a batch, the other one update from several batches; set one "
+                         "of them to 1")
     if args.max_steps is not None and args.max_steps < 1:
         raise ValueError(f"--max-steps must be at least 1 (got {args.max_steps}); leave it out to train for "
                          "--epochs epochs")
@@ -168,7 +181,8 @@ def build_drafter(args: argparse.Namespace, target):
         mask = DEFAULT_MASK_TOKEN_ID
     fields = dict(num_hidden_layers=args.draft_layers, num_attention_heads=args.heads,
                   num_key_value_heads=args.kv_heads, intermediate_size=args.intermediate_size,
-                  markov_rank=args.markov_rank, mask_token_id=mask)
+                  markov_rank=args.markov_rank, mask_token_id=mask, anchor_features=args.anchor_features,
+                  normalize_features=args.normalize_features)
     fields.update(PRESETS[args.preset][1])
     if args.head_dim:
         fields["head_dim"] = args.head_dim
@@ -248,7 +262,8 @@ def run(args: argparse.Namespace) -> int:
     config = TrainConfig(output_dir=str(out), preset=args.preset, epochs=args.epochs, max_steps=args.max_steps,
                          batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
                          weight_decay=args.weight_decay, adam_eps=args.adam_eps,
-                         anchors_per_sequence=args.anchors, save_every=args.save_every, seed=args.seed,
+                         anchors_per_sequence=args.anchors, updates_per_batch=args.updates_per_batch,
+                         save_every=args.save_every, seed=args.seed,
                          feature_cache=cache, tensorboard=args.tensorboard, eval_every=args.eval_every,
                          eval_budget=args.eval_budget, loss=LossConfig(**args.loss))
     # First, before anything else touches accelerate's state: under torchrun this joins the process group.
@@ -267,6 +282,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"no usable reference sequences in {', '.join(map(str, data))} (see the warnings above)")
     drafter = set_draft_vocabulary(build_drafter(args, target), args.draft_vocab_size, references)
     trainer = Trainer(config, target, drafter, references, accelerator=accelerator)
+    if drafter.feature_mean is not None and not args.init_from and trainer.latest_checkpoint() is None:
+        trainer.set_feature_statistics()  # a fresh drafter; a resumed one has them in its checkpoint
     if args.eval_every:
         trainer.set_dev_set(dev_references(args, target, tokenizer, accelerator, out))
     result = trainer.train()

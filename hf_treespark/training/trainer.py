@@ -60,7 +60,8 @@ class TrainConfig:
     warmup_ratio: float = 0.04
     min_lr_ratio: float = 0.1
     max_grad_norm: float = 1.0
-    anchors_per_sequence: int = 64
+    anchors_per_sequence: int = 64  # anchors per sequence in one optimizer micro-step
+    updates_per_batch: int = 1  # micro-steps drawn from one batch's target features, on disjoint anchors
     seed: int = 0
     save_every: int = 100
     keep_checkpoints: int = 2
@@ -81,12 +82,17 @@ class TrainConfig:
             setattr(self.loss, name, value)
         if self.eval_every < 0:
             raise ValueError(f"eval_every must be >= 0 (got {self.eval_every}); 0 turns evaluation off")
-        for name in ("batch_size", "grad_accum", "anchors_per_sequence", "save_every", "log_every", "eval_budget"):
+        for name in ("batch_size", "grad_accum", "anchors_per_sequence", "updates_per_batch", "save_every",
+                     "log_every", "eval_budget"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1 (got {getattr(self, name)})")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"max_steps must be at least 1 (got {self.max_steps}); leave it unset (None) to train "
                              "for `epochs` epochs")
+        if self.updates_per_batch > 1 and self.grad_accum > 1:
+            raise ValueError(f"updates_per_batch ({self.updates_per_batch}) and grad_accum ({self.grad_accum}) "
+                             "pull opposite ways (several updates from one batch, one update from several "
+                             "batches); set one of them to 1")
         if self.max_steps is None and not self.epochs > 0:
             raise ValueError(f"epochs must be positive when max_steps is unset (got {self.epochs})")
 
@@ -326,7 +332,8 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=config.lr, weight_decay=config.weight_decay,
                                            betas=tuple(config.adam_betas), eps=config.adam_eps)
         world = self.accelerator.num_processes
-        self.steps_per_epoch = math.ceil(len(references) / (config.batch_size * world * config.grad_accum))
+        batches_per_epoch = math.ceil(len(references) / (config.batch_size * world))
+        self.steps_per_epoch = math.ceil(batches_per_epoch * config.updates_per_batch / config.grad_accum)
         self.total_steps = config.max_steps or max(1, math.ceil(self.steps_per_epoch * config.epochs))
         self.scheduler = cosine_schedule(self.optimizer, int(config.warmup_ratio * self.total_steps),
                                          self.total_steps, config.min_lr_ratio)
@@ -446,6 +453,21 @@ class Trainer:
             group["lr"] = lr * factor
         scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
+    @torch.no_grad()
+    def set_feature_statistics(self, num_sequences: int = 64, batch_size: int = 8) -> None:
+        """Standardisation statistics of a fresh `normalize_features` drafter: the response positions of the
+        first `num_sequences` references (the same on every process)."""
+        rows = []
+        for start in range(0, min(num_sequences, len(self.references)), batch_size):
+            chunk = self.references[start: min(start + batch_size, num_sequences)]
+            batch = _collate(list(enumerate(chunk)), self.pad_id)
+            device = self.accelerator.device
+            features, _ = target_features(self.target, self.unwrapped_drafter().config.target_layer_ids,
+                                          batch["input_ids"].to(device), batch["attention_mask"].to(device))
+            for row, ref in enumerate(chunk):
+                rows.append(features[row, ref.prompt_len: len(ref.input_ids)].float().cpu())
+        self.unwrapped_drafter().set_feature_statistics(torch.cat(rows).to(self.accelerator.device))
+
     # ----- training -----------------------------------------------------------------------------
     def _epoch_loader(self, epoch: int, skip_batches: int):
         order = torch.randperm(len(self.references), generator=torch.Generator().manual_seed(self.config.seed + epoch))
@@ -470,12 +492,33 @@ class Trainer:
             hidden.append(torch.nn.functional.pad(h, (0, 0, 0, t_len - h.shape[0])))
         return torch.stack(feats).to(device), torch.stack(hidden).to(device)
 
-    def train_step(self, batch, epoch: int) -> dict[str, float]:
+    def _micro_steps(self, epoch: int, micro_done: int):
+        """`(batch, features, anchors, anchor_valid)` for each micro-step of `epoch` after the first `micro_done`.
+
+        With `updates_per_batch = K` one batch's target features serve `K` micro-steps: the batch draws
+        `K * anchors_per_sequence` distinct anchors per sequence and micro-step `j` takes every `K`-th of
+        them from the `j`-th on, so each update sees anchors spread over the whole response. The target
+        forward (about half of a step without a feature cache) is paid once per `K` updates.
+        """
+        cfg = self.config
+        k = cfg.updates_per_batch
+        skip_batches, first = divmod(micro_done, k)
+        for batch in self._epoch_loader(epoch, skip_batches):
+            features = self._features(batch)
+            anchors, valid = sample_anchors(batch["lengths"], batch["prompt_lens"], batch["indices"],
+                                            cfg.anchors_per_sequence * k, cfg.seed, epoch)
+            for j in range(first, k):
+                yield batch, features, anchors[:, j::k], valid[:, j::k]
+            first = 0
+
+    def train_step(self, batch, epoch: int, features=None, anchors=None, anchor_valid=None) -> dict[str, float]:
+        """One micro-step on `batch` (target features and anchors computed here unless given)."""
         cfg, acc = self.config, self.accelerator
         device = acc.device
-        feats, ref_hidden = self._features(batch)
-        anchors, anchor_valid = sample_anchors(batch["lengths"], batch["prompt_lens"], batch["indices"],
-                                               cfg.anchors_per_sequence, cfg.seed, epoch)
+        feats, ref_hidden = self._features(batch) if features is None else features
+        if anchors is None:
+            anchors, anchor_valid = sample_anchors(batch["lengths"], batch["prompt_lens"], batch["indices"],
+                                                   cfg.anchors_per_sequence, cfg.seed, epoch)
         self.anchors_seen += int(anchor_valid.sum()) * acc.num_processes  # ranks draw alike-sized batches
         with acc.accumulate(self.objective), acc.autocast():
             parts = self.objective(batch["input_ids"].to(device), batch["attention_mask"].to(device),
@@ -526,8 +569,8 @@ class Trainer:
         micro_per_epoch = self.steps_per_epoch * cfg.grad_accum
         while self.step < self.total_steps and (stop_after is None or done_now < stop_after):
             epoch, micro_done = divmod(self.step * cfg.grad_accum, micro_per_epoch)
-            for batch in self._epoch_loader(epoch, micro_done):
-                last = self.train_step(batch, epoch)
+            for batch, features, anchors, anchor_valid in self._micro_steps(epoch, micro_done):
+                last = self.train_step(batch, epoch, features, anchors, anchor_valid)
                 if not acc.sync_gradients:
                     continue
                 self.step += 1
