@@ -295,7 +295,7 @@ def test_updates_per_batch_splits_one_batch_into_disjoint_anchor_sets_and_resume
     assert trainer.steps_per_epoch == 8  # 8 references, batches of 2, 2 updates each
     steps = list(trainer._micro_steps(0, 0))
     assert len(steps) == 8 and calls["features"] == 4
-    for first, second in zip(steps[::2], steps[1::2]):
+    for first, second in zip(steps[::2], steps[1::2], strict=True):
         batch = first[0]
         assert second[0] is batch and second[1] is first[1]  # the same batch and target features
         whole, whole_valid = sample_anchors(batch["lengths"], batch["prompt_lens"], batch["indices"], 16, 0, 0)
