@@ -192,10 +192,13 @@ def treespark_config_to_dspark(config: TreeSparkConfig, num_anchors: int = 512) 
         raise DSparkConversionError(f"this drafter proposes from a draft vocabulary of {config.draft_vocab_size} ids; "
                                     "DSpark checkpoints have none: export the full-vocabulary drafter it was "
                                     "restricted from")
-    if getattr(config, "anchor_features", False):
+    if config.anchor_features:
         raise DSparkConversionError("this drafter feeds the features of the position before the anchor into its "
                                     "block (anchor_features=True); DSpark drafters are conditioned by KV "
                                     "injection only and have no such projection")
+    if config.normalize_features:
+        raise DSparkConversionError("this drafter standardises its target features before fc "
+                                    "(normalize_features=True); DSpark's fc has no bias to hold the mean")
     if config.mask_token_id is None:
         raise DSparkConversionError("this drafter uses a learned mask embedding (mask_token_id=None); DSpark "
                                     "checkpoints have none and fill the mask slots with embed_tokens[mask_token_id]")

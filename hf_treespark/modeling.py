@@ -600,16 +600,13 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
         """
         b, num_anchors = anchor_positions.shape
         hidden = self.config.hidden_size
-        if context_cache is not None:
-            if context is not None:
-                context_cache.last_context = context[:, -1:]
-            last = context_cache.last_context
-            if last is None:
-                return torch.zeros(b, num_anchors * bsz, hidden, dtype=self.fc.weight.dtype,
-                                   device=anchor_positions.device)
-            return self.anchor_proj(last).expand(b, num_anchors * bsz, hidden)
-        if context is None:
+        if context_cache is not None and context is not None:
+            context_cache.last_context = context[:, -1:]
+        newest = context_cache.last_context if context_cache is not None else context
+        if newest is None:
             return torch.zeros(b, num_anchors * bsz, hidden, dtype=self.fc.weight.dtype, device=anchor_positions.device)
+        if context_cache is not None:
+            return self.anchor_proj(newest).expand(b, num_anchors * bsz, hidden)
         before = (anchor_positions - 1).clamp(min=0)
         rows = context.gather(1, before[:, :, None].expand(-1, -1, hidden))  # [b, A, H]
         rows = rows * (anchor_positions > 0)[:, :, None].to(rows.dtype)

@@ -538,10 +538,11 @@ def test_export_dspark_refuses_learned_mask_embedding(tmp_path, target):
     assert not (tmp_path / "model.safetensors").exists()
 
 
-def test_export_dspark_refuses_anchor_features(tmp_path, target):
-    with_anchor = tiny_drafter(target, anchor_features=True)
-    with pytest.raises(DSparkConversionError, match="anchor_features=True"):
-        export_dspark_checkpoint(with_anchor, target, tmp_path)
+@pytest.mark.parametrize("option", ["anchor_features", "normalize_features"])
+def test_export_dspark_refuses_anchor_and_normalized_features(tmp_path, target, option):
+    with_option = tiny_drafter(target, **{option: True})
+    with pytest.raises(DSparkConversionError, match=f"{option}=True"):
+        export_dspark_checkpoint(with_option, target, tmp_path)
     assert not (tmp_path / "model.safetensors").exists()
 
 

@@ -460,12 +460,12 @@ class Trainer:
     def set_feature_statistics(self, num_sequences: int = 64, batch_size: int = 8) -> None:
         """Standardisation statistics of a fresh `normalize_features` drafter: the response positions of the
         first `num_sequences` references (the same on every process)."""
-        rows = []
+        rows, device = [], self.accelerator.device
+        layer_ids = self.unwrapped_drafter().config.target_layer_ids
         for start in range(0, min(num_sequences, len(self.references)), batch_size):
             chunk = self.references[start: min(start + batch_size, num_sequences)]
             batch = _collate(list(enumerate(chunk)), self.pad_id)
-            device = self.accelerator.device
-            features, _ = target_features(self.target, self.unwrapped_drafter().config.target_layer_ids,
+            features, _ = target_features(self.target, layer_ids,
                                           batch["input_ids"].to(device), batch["attention_mask"].to(device))
             for row, ref in enumerate(chunk):
                 rows.append(features[row, ref.prompt_len: len(ref.input_ids)].float().cpu())
