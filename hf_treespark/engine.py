@@ -11,6 +11,10 @@ A round (SPEC sections 2-3), for the last committed token `x0` (not yet in the t
     commit   the target cache keeps the root and accepted entries; their features extend the
              drafter's context; the bonus is the next round's `x0`
 
+With lookup on (`policy.lookup`), a round whose text suffix recurs strongly is lookup-only: it
+verifies the looked-up continuations without a drafter pass (`lookup.is_lookup_round`), and the
+features it commits join the next drafter pass's context.
+
 `TreeSparkSession` owns the target cache, the drafter's context and the policy. `generate()`'s loop
 (`generation.py`) drives it; `draft_pool` is the draft step for everything else that drafts
 (the candidate generator, the latency measurement). This module imports only torch, transformers
@@ -29,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, LogitsProcessorList
 
-from .lookup import add_lookup_branches, find_lookup_branches, max_extra_budget
+from .lookup import add_lookup_branches, find_lookup_branches, is_lookup_round, lookup_pool, max_extra_budget
 from .tree import Candidates, DraftTree, TreePolicy, expand_tree, pack_tree
 from .verify import (
     Acceptance,
@@ -185,15 +189,21 @@ class TreeSparkSession:
         """Draft and pack this round's tree for the sequence `ids` (`[1, T]`; its last token is the anchor `x0`).
 
         With `policy.lookup`, continuations of the text's suffix found earlier in it (prompt and output,
-        padding excluded) are grafted into the candidate pool before packing (`lookup.py`).
+        padding excluded) are grafted into the candidate pool before packing (`lookup.py`). A round whose
+        suffix matches strongly (`lookup.is_lookup_round`) verifies only its lookup branches and skips the
+        drafter pass; the features it commits wait in `pending` for the next drafter pass.
         """
         x0 = ids[:, -1]
+        with self._phase("tree"):
+            history = ids[0, ids.shape[1] - 1 - self.past_len:]  # the unpadded text, x0 last
+            branches = find_lookup_branches(history, self.policy.lookup)
+            if is_lookup_round(branches):
+                pool = lookup_pool(x0, branches)
+                return pack_tree(pool, x0, pool.tokens.shape[1], self.policy.depth)
         with self._phase("draft"):
             depth_logits = drafter_pass(self.drafter, self.policy, x0, self.past_len, self.pending, self.context)
         self.pending = None
         with self._phase("tree"):
-            history = ids[0, ids.shape[1] - 1 - self.past_len:]  # the unpadded text, x0 last
-            branches = find_lookup_branches(history, self.policy.lookup)
             # the first round of an "auto" budget chooses it from the whole pool: no early stop
             stop = None if self.policy.auto else self.policy.budget + max_extra_budget(branches, self.policy.lookup)
             pool = expand_tree(depth_logits, self.drafter.markov_bias, x0, self.policy, self.drafter.draft_vocab_ids,
@@ -230,7 +240,9 @@ class TreeSparkSession:
         keep = acceptance.path[:, : num_accepted + 1]
         commit_cache(self.cache, self.past_len, keep)
         features = select_features(verified.hidden_states, self.hidden_ids)
-        self.pending = features.gather(1, keep[:, :, None].expand(-1, -1, features.shape[-1]))
+        features = features.gather(1, keep[:, :, None].expand(-1, -1, features.shape[-1]))
+        # after a lookup-only round the drafter has not yet seen the previous round's features
+        self.pending = features if self.pending is None else torch.cat([self.pending, features], dim=1)
         self.past_len += num_accepted + 1
 
     @torch.no_grad()

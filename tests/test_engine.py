@@ -103,6 +103,52 @@ def test_a_hand_driven_session_reproduces_generate(llama_pair):
     assert torch.equal(seq[:, : ref.shape[1]], ref)
 
 
+def test_lookup_only_rounds_skip_the_drafter_and_its_next_pass_sees_every_committed_position(llama_pair):
+    target, drafter = llama_pair
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8, 9, 10, 11, 5, 6, 7]])  # 3-token matches recur
+    ref = target.generate(ids, do_sample=False, max_new_tokens=24)
+    passes = []  # (context positions cached before the pass, new feature rows, anchor position)
+    forward = drafter.forward
+
+    def recording_forward(*args, **kwargs):
+        new = kwargs["target_features"]
+        passes.append((kwargs["context_cache"].get_seq_length(), 0 if new is None else new.shape[1],
+                       int(kwargs["anchor_positions"][0, 0])))
+        return forward(*args, **kwargs)
+
+    drafter.forward = recording_forward
+    try:
+        session = TreeSparkSession(target, drafter, TreePolicy.from_config(drafter.config, lookup=4))
+        seq = torch.cat([ids, session.prefill(ids).argmax(-1, keepdim=True)], dim=1)
+        kinds = []
+        while seq.shape[1] < ref.shape[1]:
+            before = len(passes)
+            rnd = session.step(seq)
+            kinds.append("drafter" if len(passes) > before else "lookup")
+            if kinds[-1] == "lookup":
+                assert bool(rnd.tree.lookup[0, 1:].all()) and rnd.tree.num_nodes <= 4
+            seq = torch.cat([seq, rnd.tokens], dim=1)
+    finally:
+        del drafter.forward
+    assert torch.equal(seq[:, : ref.shape[1]], ref)
+    assert "lookup" in kinds and "drafter" in kinds, kinds
+    # each pass conditions on every committed position, those of lookup-only rounds included
+    for cached, new, position in passes:
+        assert cached + new == position
+    # and its context equals one built from the committed text's target features at once
+    from hf_treespark.engine import target_features
+
+    length = session.context.get_seq_length()
+    features, _ = target_features(target, drafter.config.target_layer_ids, seq[:, :length],
+                                  torch.ones(1, length, dtype=torch.long))
+    fresh = drafter.new_context_cache()
+    with torch.no_grad():
+        drafter(anchor_ids=seq[:, length: length + 1], anchor_positions=torch.tensor([[length]]),
+                target_features=features, context_cache=fresh, return_logits=False)
+    for mine, theirs in zip(session.context.keys, fresh.keys, strict=True):
+        assert torch.allclose(mine, theirs, atol=1e-4)
+
+
 def test_policy_from_config_reads_the_drafter_and_per_call_knobs(llama_pair):
     _, drafter = llama_pair
     cfg = drafter.config

@@ -10,7 +10,14 @@ from conftest import make_drafter, make_target
 from test_generation import chi_square_ok, make_oracle, prompt
 from transformers import LogitsProcessorList, TemperatureLogitsWarper
 
-from hf_treespark.lookup import LOOKUP_TOKEN_PROB, graft_lookup, lookup_continuations
+from hf_treespark.lookup import (
+    LOOKUP_ROUND_NGRAM,
+    LOOKUP_TOKEN_PROB,
+    graft_lookup,
+    is_lookup_round,
+    lookup_continuations,
+    lookup_pool,
+)
 from hf_treespark.tree import TreePolicy, expand_tree, pack_tree
 from hf_treespark.verify import processed_accept
 
@@ -27,6 +34,23 @@ def test_a_match_near_the_end_gives_a_shorter_branch_and_no_match_gives_none():
     assert lookup_continuations(torch.tensor([3, 4, 3, 4]), 5) == [([3, 4], 2)]
     assert lookup_continuations(torch.tensor([1, 2, 3, 4]), 5) == []
     assert lookup_continuations(torch.tensor([7]), 5) == []
+
+
+def test_only_a_long_match_makes_a_lookup_only_round_of_its_own_branches():
+    assert LOOKUP_ROUND_NGRAM == 3
+    strong = lookup_continuations(torch.tensor([5, 6, 7, 8, 9, 3, 6, 7, 2, 6, 1, 5, 6, 7]), 4)
+    assert strong == [([8, 9, 3, 6], 3), ([2, 6, 1, 5], 2)] and is_lookup_round(strong)
+    pool = lookup_pool(torch.tensor([7]), strong)
+    # only the 3-token match's branch, a chain from the root, every node a lookup node
+    assert pool.tokens.tolist() == [[8, 9, 3, 6]] and pool.parents.tolist() == [[-1, 0, 1, 2]]
+    assert pool.depths.tolist() == [[1, 2, 3, 4]] and pool.lookup.all()
+    expected = [k * math.log(LOOKUP_TOKEN_PROB[3]) for k in range(1, 5)]
+    assert torch.allclose(pool.scores[0], torch.tensor(expected))
+    tree = pack_tree(pool, torch.tensor([7]), pool.tokens.shape[1], 7)
+    assert tree.tokens.tolist() == [[7, 8, 9, 3, 6]] and tree.lookup[0, 1:].all()
+    weak = lookup_continuations(torch.tensor([5, 6, 7, 8, 5, 6]), 4)  # "5 6" recurs: a 2-token match
+    assert weak == [([7, 8, 5, 6], 2)] and not is_lookup_round(weak)
+    assert not is_lookup_round([])
 
 
 def small_pool(vocab: int = 12, policy: TreePolicy | None = None):
@@ -138,5 +162,51 @@ def test_end_to_end_sampling_with_lookup_matches_the_target_distribution():
         out = target.generate(ids, assistant_model=drafter, do_sample=True, temperature=temperature, top_k=0,
                               max_new_tokens=2, eos_token_id=None, tree_lookup=3, return_dict_in_generate=True)
         counts[out.sequences[0, -1]] += 1
+    ok, stat = chi_square_ok(counts, marg2)
+    assert ok, stat
+
+
+def prompt_with_a_likely_repeat(target, temperature: float) -> tuple[torch.Tensor, int]:
+    """A prompt `[x, y, c, z, x, y]` whose likeliest next token is `c` (p > 0.5): after it the text ends in
+    "x y c", which occurred before, so the first round is lookup-only with high probability."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = target.config.vocab_size
+    for _ in range(50):
+        x, y, z = torch.randint(4, vocab, (3,), generator=gen).tolist()
+        c = torch.arange(vocab)
+        batch = torch.stack([torch.full_like(c, x), torch.full_like(c, y), c, torch.full_like(c, z),
+                             torch.full_like(c, x), torch.full_like(c, y)], dim=1)
+        with torch.no_grad():
+            p1 = torch.softmax(target(batch).logits[:, -1] / temperature, -1)
+        good = (p1.argmax(-1) == c) & (p1[c, c] > 0.5)
+        if good.any():
+            best = int(good.nonzero()[0])
+            return batch[best: best + 1], best
+    raise AssertionError("no prompt with a likely repeat in 50 tries")
+
+
+def test_sampling_through_lookup_only_rounds_matches_the_target_distribution():
+    """A lookup-only round (no drafter pass) in the middle of sampling: the second token keeps the target's
+    distribution, and the drafter catches up on the skipped round's features in the next round."""
+    target = make_target("llama", seed=3)
+    temperature = 0.4  # sharp enough that some prompt repeats itself with probability > 0.5
+    ids, repeat = prompt_with_a_likely_repeat(target, temperature)
+    assert int(ids[0, 2]) == repeat
+    vocab = target.config.vocab_size
+    with torch.no_grad():
+        p1 = torch.softmax(target(ids).logits[0, -1] / temperature, -1)
+        seq2 = torch.cat([ids.expand(vocab, -1), torch.arange(vocab)[:, None]], 1)
+        marg2 = (p1[:, None] * torch.softmax(target(seq2).logits[:, -1] / temperature, -1)).sum(0)
+    drafter = make_drafter(target, tree_topk=2, tree_frontier=1, tree_budget=6)
+    torch.manual_seed(0)
+    counts, lookup_rounds = torch.zeros(vocab), 0
+    for _ in range(600):
+        out = target.generate(ids, assistant_model=drafter, do_sample=True, temperature=temperature, top_k=0,
+                              max_new_tokens=4, eos_token_id=None, tree_lookup=3, return_dict_in_generate=True,
+                              tree_record=True)
+        counts[out.sequences[0, ids.shape[1] + 1]] += 1
+        first = out.rounds[0].tree
+        lookup_rounds += int(all(first["lookup"][1:]) and first["tokens"][1] == ids[0, 3])
+    assert lookup_rounds > 250, lookup_rounds  # p(repeat) > 0.5: most first rounds verified the branch "z x y"
     ok, stat = chi_square_ok(counts, marg2)
     assert ok, stat
