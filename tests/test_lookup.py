@@ -147,14 +147,20 @@ def test_sampling_walk_over_a_grafted_tree_follows_the_target(temperature):
     assert tested >= 2  # a drafted child and a lookup child
 
 
+@torch.no_grad()
+def second_token_marginal(target, ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The target's distribution `[V]` of the second token sampled after `ids` (`[1, T]`), the first summed out."""
+    vocab = target.config.vocab_size
+    p1 = torch.softmax(target(ids).logits[0, -1] / temperature, -1)
+    seq2 = torch.cat([ids.expand(vocab, -1), torch.arange(vocab)[:, None]], 1)
+    return (p1[:, None] * torch.softmax(target(seq2).logits[:, -1] / temperature, -1)).sum(0)
+
+
 def test_end_to_end_sampling_with_lookup_matches_the_target_distribution():
     target = make_target("llama", seed=3)
     ids = torch.tensor([[9, 4, 7, 9, 4]])  # the suffix "9 4" occurred before: a lookup branch "7 9 4"
     vocab, temperature = target.config.vocab_size, 1.0
-    with torch.no_grad():
-        p1 = torch.softmax(target(ids).logits[0, -1] / temperature, -1)
-        seq2 = torch.cat([ids.expand(vocab, -1), torch.arange(vocab)[:, None]], 1)
-        marg2 = (p1[:, None] * torch.softmax(target(seq2).logits[:, -1] / temperature, -1)).sum(0)
+    marg2 = second_token_marginal(target, ids, temperature)
     drafter = make_drafter(target, tree_topk=2, tree_frontier=1, tree_budget=6)
     torch.manual_seed(0)
     counts = torch.zeros(vocab)
@@ -193,10 +199,7 @@ def test_sampling_through_lookup_only_rounds_matches_the_target_distribution():
     ids, repeat = prompt_with_a_likely_repeat(target, temperature)
     assert int(ids[0, 2]) == repeat
     vocab = target.config.vocab_size
-    with torch.no_grad():
-        p1 = torch.softmax(target(ids).logits[0, -1] / temperature, -1)
-        seq2 = torch.cat([ids.expand(vocab, -1), torch.arange(vocab)[:, None]], 1)
-        marg2 = (p1[:, None] * torch.softmax(target(seq2).logits[:, -1] / temperature, -1)).sum(0)
+    marg2 = second_token_marginal(target, ids, temperature)
     drafter = make_drafter(target, tree_topk=2, tree_frontier=1, tree_budget=6)
     torch.manual_seed(0)
     counts, lookup_rounds = torch.zeros(vocab), 0
