@@ -523,6 +523,10 @@ def run_from_args(args: argparse.Namespace) -> int:
 
     if args.profile:
         return _run_profile(args, target, tokenizer, drafters, suites)
+    from .budget import ensure_latency
+
+    for drafter in loaded.values():  # first use on this machine: "auto" budget and gate from its numbers
+        ensure_latency(target, drafter)
     try:
         report = run_benchmark(target, tokenizer, drafters, suites, methods, args.num_prompts, args.max_new_tokens,
                                budget)

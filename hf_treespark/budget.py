@@ -15,6 +15,9 @@ otherwise from the drafter's own tree scores for the current prompt: with scores
 expected number of accepted nodes of the top-`N` tree is `sum_{i <= N} exp(s_i)`.
 On a GPU verify latency is nearly flat in `N` and the best budget is large; on a small CPU it
 grows with `N` from the start and the best budget is small.
+
+The same table gives the drafter gate's threshold (`gate_threshold`, `lookup.DrafterGate`): what a
+drafter round at budget `N` costs beyond a plain step (a 1-token forward, `verify[0]`), in plain steps.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from .verify import cache_kwarg
 CANDIDATE_BUDGETS = (2, 4, 8, 16, 32, 64)
 LATENCY_FILE = "round_latency.json"
 FALLBACK_BUDGET = {"cpu": 4, "accelerator": 32}  # "auto" before this device's latency was measured
+FALLBACK_GATE = {"cpu": 0.35, "accelerator": 0.1}  # the drafter gate's threshold, likewise
 
 
 def is_auto(budget) -> bool:
@@ -102,7 +106,8 @@ def _timed(fn, device: torch.device, repeats: int) -> float:
 @torch.no_grad()
 def measure_round_latency(target, drafter, policy: TreePolicy, budgets=CANDIDATE_BUDGETS, context: int = 256,
                           repeats: int = 3) -> dict:
-    """Seconds per round part for each budget: `{"verify": {N: s}, "draft": {N: s}}`.
+    """Seconds per round part for each budget: `{"verify": {N: s}, "draft": {N: s}}`; `verify[0]` is a
+    plain step (one token).
 
     Verify: one target forward of `N + 1` tokens with a 4D float mask over a `context`-token
     cache (the mask's content does not change the cost, so a causal one is used). Draft: one
@@ -121,7 +126,7 @@ def measure_round_latency(target, drafter, policy: TreePolicy, budgets=CANDIDATE
     width = len(hidden_ids) * drafter.config.target_hidden_size
 
     verify = {}
-    for n in budgets:
+    for n in (0, *budgets):
         tokens = torch.randint(0, vocab, (1, n + 1), generator=generator).to(device)
         positions = torch.arange(context, context + n + 1, device=device)[None]
         allowed = torch.ones(n + 1, context + n + 1, dtype=torch.bool, device=device).tril(context)
@@ -168,7 +173,7 @@ def round_latency(target, drafter, policy: TreePolicy, budgets=CANDIDATE_BUDGETS
         except (OSError, json.JSONDecodeError):
             table = {}  # a damaged cache is re-measured, never trusted
     entry = table.get(key) if isinstance(table, dict) else None
-    if not refresh and isinstance(entry, dict) and all(str(n) in entry.get("verify", {}) for n in budgets):
+    if not refresh and isinstance(entry, dict) and all(str(n) in entry.get("verify", {}) for n in (0, *budgets)):
         return {part: {int(n): s for n, s in entry[part].items()} for part in ("verify", "draft")}
     if not measure:
         return None
@@ -190,9 +195,10 @@ def calibrate_latency(target, drafter, policy: TreePolicy | None = None, refresh
 
 def ensure_latency(target, drafter, quiet: bool = False) -> None:
     """First use on a machine (the CLI, the benchmark, the demo): measure what a round costs here, once, so
-    that `tree_budget="auto"` decides from this device's numbers. Prints what it does unless `quiet`."""
+    that `tree_budget="auto"` and the drafter gate decide from this device's numbers. Prints what it does
+    unless `quiet`."""
     policy = TreePolicy.from_config(drafter.config)
-    if not policy.auto or has_latency(target, drafter, policy):
+    if not (policy.auto or policy.lookup) or has_latency(target, drafter, policy):
         return
     if not quiet:
         print("[treespark] first use on this machine: measuring what a round costs for each tree budget "
@@ -219,6 +225,20 @@ def fallback_budget(target, policy: TreePolicy) -> int:
     with `N` from the start), large on accelerators (nearly flat in `N`)."""
     device = next(target.parameters()).device
     return min(FALLBACK_BUDGET["cpu" if device.type == "cpu" else "accelerator"], policy.budget)
+
+
+def gate_threshold(target, drafter, policy: TreePolicy) -> float:
+    """The drafter gate's threshold for this device (`lookup.DrafterGate`): `(t_draft(N) + t_verify(N)) /
+    t_verify(0) - 1`, the extra cost of a drafter round at the policy's budget (the smallest measured one
+    while "auto" is undecided) over a plain step, in plain steps. Never measures: without this device's
+    latency it is `FALLBACK_GATE`."""
+    budgets = _budgets_for(policy)
+    latency = round_latency(target, drafter, policy, budgets, measure=False)
+    if latency is None:
+        device = next(target.parameters()).device
+        return FALLBACK_GATE["cpu" if device.type == "cpu" else "accelerator"]
+    n = min(budgets) if policy.auto else min(budgets, key=lambda b: (abs(b - policy.budget), b))
+    return max(0.0, (latency["draft"][n] + latency["verify"][n]) / latency["verify"][0] - 1.0)
 
 
 def profile_acceptance(profile: dict, budgets) -> dict[int, float]:

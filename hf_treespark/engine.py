@@ -13,7 +13,9 @@ A round (SPEC sections 2-3), for the last committed token `x0` (not yet in the t
 
 With lookup on (`policy.lookup`), a round whose text suffix recurs strongly is lookup-only: it
 verifies the looked-up continuations without a drafter pass (`lookup.is_lookup_round`), and the
-features it commits join the next drafter pass's context.
+features it commits join the next drafter pass's context. While the drafter's recent rounds got fewer
+drafted tokens accepted than a drafter round costs (`lookup.DrafterGate`), the other rounds skip it
+too and verify a short lookup branch, or the root alone.
 
 `TreeSparkSession` owns the target cache, the drafter's context and the policy. `generate()`'s loop
 (`generation.py`) drives it; `draft_pool` is the draft step for everything else that drafts
@@ -33,7 +35,16 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, LogitsProcessorList
 
-from .lookup import add_lookup_branches, find_lookup_branches, is_lookup_round, lookup_pool, max_extra_budget
+from .lookup import (
+    LOOKUP_LONG_TOKENS,
+    LOOKUP_WEAK_TOKENS,
+    DrafterGate,
+    add_lookup_branches,
+    find_lookup_branches,
+    is_lookup_round,
+    lookup_pool,
+    max_extra_budget,
+)
 from .tree import Candidates, DraftTree, TreePolicy, expand_tree, pack_tree
 from .verify import (
     Acceptance,
@@ -153,11 +164,14 @@ class TreeSparkSession:
         logits_processor / do_sample: how the target picks tokens; greedy without processors takes
             the vectorised walk, anything else the per-node walk of `verify.processed_accept`.
         keep_scores: keep the processed scores and raw logits of every committed token.
+        gate: with lookup on, the drafter gate's threshold (`lookup.DrafterGate`; `budget.gate_threshold`
+            gives this device's); 0 runs the drafter in every round that is not lookup-only.
     """
 
     def __init__(self, target, drafter, policy: TreePolicy, *, logits_processor: LogitsProcessorList | None = None,
                  do_sample: bool = False, keep_scores: bool = False, cache: DynamicCache | None = None,
-                 choose_budget: Callable[[torch.Tensor], int] | None = None, timer: PhaseTimer | None = None):
+                 choose_budget: Callable[[torch.Tensor], int] | None = None, timer: PhaseTimer | None = None,
+                 gate: float = 0.0):
         self.target = target
         self.drafter = drafter.bind_target(target)
         self.policy = policy
@@ -173,6 +187,10 @@ class TreeSparkSession:
         self.pending: torch.Tensor | None = None  # target features not yet in the drafter's context
         self.past_len = 0  # entries in the target cache
         self.timer = timer
+        self.gate = DrafterGate(gate) if policy.lookup else None
+        self.ran_drafter = False  # whether the current round ran the drafter
+        self.lookup_only = False  # whether the current round is lookup-only
+        self.long_lookup = False  # the last lookup-only round accepted its whole branch
 
     def _phase(self, name: str):
         return self.timer(name) if self.timer is not None else nullcontext()
@@ -191,15 +209,25 @@ class TreeSparkSession:
         With `policy.lookup`, continuations of the text's suffix found earlier in it (prompt and output,
         padding excluded) are grafted into the candidate pool before packing (`lookup.py`). A round whose
         suffix matches strongly (`lookup.is_lookup_round`) verifies only its lookup branches and skips the
-        drafter pass; the features it commits wait in `pending` for the next drafter pass.
+        drafter pass; the features it commits wait in `pending` for the next drafter pass. So does a round
+        the drafter gate closes (`lookup.DrafterGate`): it verifies a short branch of its best match, if any.
         """
         x0 = ids[:, -1]
+        self.ran_drafter = False
         with self._phase("tree"):
             history = ids[0, ids.shape[1] - 1 - self.past_len:]  # the unpadded text, x0 last
-            branches = find_lookup_branches(history, self.policy.lookup)
-            if is_lookup_round(branches):
+            length = self.policy.lookup
+            branches = find_lookup_branches(history, LOOKUP_LONG_TOKENS if self.long_lookup else length)
+            self.lookup_only = is_lookup_round(branches)
+            if self.lookup_only:
                 pool = lookup_pool(x0, branches)
+                return pack_tree(pool, x0, pool.tokens.shape[1], max(self.policy.depth, int(pool.depths.max())))
+            branches = [(tokens[:length], n) for tokens, n in branches]
+            if self.gate is not None and not self.gate.is_open:
+                self.gate.skipped()
+                pool = lookup_pool(x0, branches, min(LOOKUP_WEAK_TOKENS, self.policy.lookup))
                 return pack_tree(pool, x0, pool.tokens.shape[1], self.policy.depth)
+        self.ran_drafter = True
         with self._phase("draft"):
             depth_logits = drafter_pass(self.drafter, self.policy, x0, self.past_len, self.pending, self.context)
         self.pending = None
@@ -256,4 +284,9 @@ class TreeSparkSession:
             num_accepted = int(acceptance.num_accepted[0])
         with self._phase("commit"):
             self.commit(verified, acceptance, num_accepted)
-        return Round(tree, acceptance, num_accepted)
+        rnd = Round(tree, acceptance, num_accepted)
+        if self.lookup_only:
+            self.long_lookup = num_accepted == tree.num_nodes >= self.policy.lookup
+        if self.ran_drafter and self.gate is not None:
+            self.gate.drafted(num_accepted - rnd.lookup_accepted())
+        return rnd

@@ -17,7 +17,7 @@ from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, St
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .budget import auto_budget
+from .budget import auto_budget, gate_threshold
 from .engine import Round, TreeSparkSession, draft_pool
 from .lookup import add_lookup_branches, find_lookup_branches, max_extra_budget
 from .tree import DraftTree, TreePolicy, pack_tree
@@ -87,6 +87,18 @@ def resolve_policy(drafter, tree_budget=None, tree_topk=None, tree_depth=None, t
     return TreePolicy.from_config(drafter.config, budget=tree_budget, topk=tree_topk, depth=tree_depth,
                                   frontier=tree_frontier, chain=tree_chain, lookup=tree_lookup,
                                   vocab_size=drafter.draft_vocab_size)
+
+
+def resolve_gate(model, drafter, policy: TreePolicy, tree_gate="auto") -> float:
+    """The drafter gate's threshold for this call (`lookup.DrafterGate`): `"auto"` (this device's,
+    `budget.gate_threshold`) or a number >= 0 (0: the drafter drafts every round that is not lookup-only).
+    Raises `ValueError` for anything else."""
+    if isinstance(tree_gate, str) and tree_gate == "auto":
+        return gate_threshold(model, drafter, policy) if policy.lookup else 0.0
+    if isinstance(tree_gate, bool) or not isinstance(tree_gate, (int, float)) or not tree_gate >= 0:
+        raise ValueError(f'tree_gate={tree_gate!r} is invalid: use "auto" or a number >= 0 (drafted tokens a '
+                         "drafter round must get accepted on average; 0 = always draft)")
+    return float(tree_gate)
 
 
 def _first_stop(stopping_criteria: StoppingCriteriaList, ids: torch.Tensor, num_new: int) -> int | None:
@@ -180,6 +192,7 @@ def treespark_decoding(
     tree_frontier: int | None = None,
     tree_chain: bool = False,
     tree_lookup: int | None = None,
+    tree_gate: float | str = "auto",
     tree_record: bool = False,
     tree_timer=None,
     **model_kwargs,
@@ -188,6 +201,7 @@ def treespark_decoding(
 
     Returns `[1, prompt + new]` token ids, or a `TreeSparkGenerateOutput` with
     `return_dict_in_generate=True`. `tree_record=True` stores each round's tree in its record;
+    `tree_gate`: the drafter gate's threshold with lookup on (`resolve_gate`).
     `tree_timer` (an `engine.PhaseTimer`) sums the wall time of each round phase (`treespark bench --profile`).
     One target forward per round: nothing is measured here (`tree_budget="auto"` reads the latency
     that `hf_treespark.budget.calibrate_latency` stored, or falls back to a default budget).
@@ -196,6 +210,7 @@ def treespark_decoding(
     check_supported(model, drafter, input_ids, generation_config)
     policy = resolve_policy(drafter, tree_budget, tree_topk, tree_depth, tree_frontier, tree_chain, tree_lookup)
     policy, choose_budget = _auto_chooser(model, drafter, policy)
+    gate = resolve_gate(model, drafter, policy, tree_gate)
     streamer = treespark_streamer
     want_scores = bool(generation_config.output_scores)
     want_logits = bool(generation_config.output_logits)
@@ -206,7 +221,7 @@ def treespark_decoding(
     num_pad = _left_padding(model_kwargs.get("attention_mask"), input_ids)
     session = TreeSparkSession(model, drafter, policy, logits_processor=logits_processor, do_sample=do_sample,
                                keep_scores=want_scores or want_logits, cache=_empty_cache(model_kwargs),
-                               choose_budget=choose_budget, timer=tree_timer)
+                               choose_budget=choose_budget, timer=tree_timer, gate=gate)
 
     if streamer is not None:
         streamer.put(input_ids.cpu())

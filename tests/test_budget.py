@@ -59,7 +59,8 @@ def test_latency_is_measured_once_and_cached(latency_cache, monkeypatch):
     real = budget.measure_round_latency
     monkeypatch.setattr(budget, "measure_round_latency", lambda *a, **k: calls.append(1) or real(*a, **k))
     first = budget.round_latency(target, drafter, policy, budgets=(2, 8), context=16)
-    assert set(first["verify"]) == {2, 8} and all(s > 0 for s in first["verify"].values())
+    # verify[0] is a plain step (one token), the drafter gate's unit
+    assert set(first["verify"]) == {0, 2, 8} and all(s > 0 for s in first["verify"].values())
     second = budget.round_latency(target, drafter, policy, budgets=(2, 8), context=16)
     assert len(calls) == 1 and second == first
     latency_cache.write_text("{ not json")  # a damaged cache is measured again, not trusted
@@ -104,3 +105,21 @@ def test_config_accepts_auto_and_a_profile_and_refuses_nonsense(tmp_path):
         TreeSparkConfig(tree_budget="big")
     with pytest.raises(ValueError, match="acceptance_profile"):
         TreeSparkConfig(acceptance_profile={"8": 0.5})
+
+
+def test_the_gate_threshold_is_a_drafter_rounds_extra_cost_in_plain_steps(latency_cache, monkeypatch):
+    target = make_target("llama")
+    drafter = make_drafter(target)
+    # nothing measured yet: the device kind's fallback
+    assert budget.gate_threshold(target, drafter, TreePolicy(budget=8)) == budget.FALLBACK_GATE["cpu"]
+    verify = {0: 0.100, 2: 0.117, 4: 0.122, 8: 0.141}
+    draft = {2: 0.020, 4: 0.021, 8: 0.022}
+    monkeypatch.setattr(budget, "round_latency", lambda *a, **k: {"verify": verify, "draft": draft})
+    assert math.isclose(budget.gate_threshold(target, drafter, TreePolicy(budget=2)), 0.37)
+    assert math.isclose(budget.gate_threshold(target, drafter, TreePolicy(budget=8)), 0.63)
+    assert math.isclose(budget.gate_threshold(target, drafter, TreePolicy(budget=6)), 0.43)  # nearest: 4
+    # "auto" not yet decided: the smallest measured budget
+    assert math.isclose(budget.gate_threshold(target, drafter, TreePolicy(budget=32, auto=True)), 0.37)
+    # a drafter round cheaper than a plain step (a measurement artefact) never gives a negative threshold
+    verify[2] = 0.05
+    assert budget.gate_threshold(target, drafter, TreePolicy(budget=2)) == 0.0

@@ -12,6 +12,7 @@ from conftest import make_drafter, make_target
 import hf_treespark
 from hf_treespark import budget
 from hf_treespark.engine import TreeSparkSession, feature_indices
+from hf_treespark.lookup import LOOKUP_LONG_TOKENS
 from hf_treespark.tree import TreePolicy
 
 PACKAGE = Path(hf_treespark.__file__).parent
@@ -120,13 +121,16 @@ def test_lookup_only_rounds_skip_the_drafter_and_its_next_pass_sees_every_commit
     try:
         session = TreeSparkSession(target, drafter, TreePolicy.from_config(drafter.config, lookup=4))
         seq = torch.cat([ids, session.prefill(ids).argmax(-1, keepdim=True)], dim=1)
-        kinds = []
+        kinds, long, sizes = [], False, []
         while seq.shape[1] < ref.shape[1]:
             before = len(passes)
             rnd = session.step(seq)
             kinds.append("drafter" if len(passes) > before else "lookup")
             if kinds[-1] == "lookup":
-                assert bool(rnd.tree.lookup[0, 1:].all()) and rnd.tree.num_nodes <= 4
+                # L = 4 nodes, or up to LOOKUP_LONG_TOKENS after a lookup-only round accepted its whole branch
+                assert bool(rnd.tree.lookup[0, 1:].all()) and rnd.tree.num_nodes <= (LOOKUP_LONG_TOKENS if long else 4)
+                long = rnd.num_accepted == rnd.tree.num_nodes >= 4
+                sizes.append(rnd.tree.num_nodes)
             seq = torch.cat([seq, rnd.tokens], dim=1)
     finally:
         del drafter.forward
@@ -225,3 +229,71 @@ def test_auto_budget_after_calibration_packs_the_first_pool_once(tmp_path, monke
     assert out.tree_budget in budget.CANDIDATE_BUDGETS
     assert all(r.tree_size == out.tree_budget for r in out.rounds)
     assert len(expansions) == len(out.rounds)  # the first round's tree is not built twice
+
+
+def test_a_closed_drafter_gate_skips_the_drafter_and_stays_exact(llama_pair):
+    """An untrained drafter gets (almost) nothing accepted: with a gate the session stops drafting and
+    verifies short lookup branches or the root alone, and its later passes still see every committed
+    position. Gate 0 drafts in every round that is not lookup-only."""
+    from hf_treespark.lookup import LOOKUP_WEAK_TOKENS
+
+    target, drafter = llama_pair
+    ids = torch.randint(4, 100, (1, 9), generator=torch.Generator().manual_seed(4))
+    ref = target.generate(ids, do_sample=False, max_new_tokens=40)
+    forward = drafter.forward
+    offsets = []
+
+    def recording_forward(*args, **kwargs):
+        new = kwargs["target_features"]
+        offsets.append(kwargs["context_cache"].get_seq_length() + (0 if new is None else new.shape[1])
+                       - int(kwargs["anchor_positions"][0, 0]))
+        return forward(*args, **kwargs)
+
+    drafter.forward = recording_forward
+    kinds = {}
+    try:
+        for gate in (0.0, 0.5):
+            session = TreeSparkSession(target, drafter, TreePolicy.from_config(drafter.config, lookup=6), gate=gate)
+            seq = torch.cat([ids, session.prefill(ids).argmax(-1, keepdim=True)], dim=1)
+            kinds[gate] = []
+            while seq.shape[1] < ref.shape[1]:
+                passes, idle = len(offsets), session.gate.idle
+                rnd = session.step(seq)
+                if len(offsets) > passes:
+                    kinds[gate].append("drafter")
+                    assert session.gate.idle == 0
+                elif session.gate.idle == idle + 1:  # the gate skipped the drafter
+                    kinds[gate].append("gated")
+                    assert rnd.tree.num_nodes <= LOOKUP_WEAK_TOKENS
+                    assert rnd.tree.num_nodes == 0 or bool(rnd.tree.lookup[0, 1:].all())
+                else:  # a lookup-only round (a 3-token match) leaves the gate's count alone
+                    kinds[gate].append("lookup")
+                    assert session.gate.idle == idle
+                seq = torch.cat([seq, rnd.tokens], dim=1)
+            assert torch.equal(seq[:, : ref.shape[1]], ref), gate
+    finally:
+        del drafter.forward
+    assert all(offset == 0 for offset in offsets)  # cached + new features == the anchor's position
+    assert "gated" not in kinds[0.0] and "drafter" in kinds[0.0]
+    assert "gated" in kinds[0.5] and kinds[0.5].count("drafter") < kinds[0.0].count("drafter"), kinds
+
+
+def test_a_lookup_only_round_accepted_whole_lengthens_the_next_one():
+    """A looping text (here a target whose logits are all equal, so greedy repeats token 0): the branch of
+    the most recent match continues the repeat, is accepted whole, and the next lookup-only round's branch
+    runs to LOOKUP_LONG_TOKENS, deeper than the drafter's tree; decoding stays exact."""
+    target = make_target("llama")
+    with torch.no_grad():
+        target.model.norm.weight.zero_()
+    drafter = make_drafter(target)
+    ids = torch.tensor([[0, 0, 0, 0]])  # 0 is also the pad id: the mask says these are text
+    mask = torch.ones_like(ids)
+    ref = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=50)
+    assert bool((ref[0] == 0).all())
+    out = target.generate(ids, attention_mask=mask, assistant_model=drafter, do_sample=False, max_new_tokens=50,
+                          tree_lookup=4,
+                          return_dict_in_generate=True, tree_record=True)
+    assert torch.equal(out.sequences, ref)
+    sizes = [len(r.tree["tokens"]) - 1 for r in out.rounds]
+    assert sizes[0] == 4 and max(sizes) == LOOKUP_LONG_TOKENS > drafter.config.block_size, sizes
+    assert all(r.num_accepted == size for r, size in zip(out.rounds[:-1], sizes, strict=False))

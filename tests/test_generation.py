@@ -404,6 +404,9 @@ def test_refusals_are_clear(llama_pair):
         target.generate(ids, assistant_model=drafter, do_sample=True, num_return_sequences=2, max_new_tokens=3)
     with pytest.raises(ValueError, match="depth"):
         target.generate(ids, assistant_model=drafter, tree_depth=99, max_new_tokens=3)
+    for bad in (-1, "often", True, float("nan")):
+        with pytest.raises(ValueError, match="tree_gate"):
+            target.generate(ids, assistant_model=drafter, tree_lookup=3, tree_gate=bad, max_new_tokens=3)
     other = make_target("llama", layers=3)
     with pytest.raises(ValueError, match="layers"):
         target_other = other

@@ -11,8 +11,11 @@ from test_generation import chi_square_ok, make_oracle, prompt
 from transformers import LogitsProcessorList, TemperatureLogitsWarper
 
 from hf_treespark.lookup import (
+    DRAFTER_GATE_ROUNDS,
+    DRAFTER_GATE_SMOOTHING,
     LOOKUP_ROUND_NGRAM,
     LOOKUP_TOKEN_PROB,
+    DrafterGate,
     graft_lookup,
     is_lookup_round,
     lookup_continuations,
@@ -30,8 +33,10 @@ def test_longest_and_most_recent_matches_come_first_and_branches_differ():
     assert lookup_continuations(history, 2) == [([10, 2], 3)]
 
 
-def test_a_match_near_the_end_gives_a_shorter_branch_and_no_match_gives_none():
-    assert lookup_continuations(torch.tensor([3, 4, 3, 4]), 5) == [([3, 4], 2)]
+def test_a_match_running_into_the_end_continues_as_a_repeat_and_no_match_gives_none():
+    # "3 4" recurs two tokens back: the text repeats with period 2 past its end
+    assert lookup_continuations(torch.tensor([3, 4, 3, 4]), 5) == [([3, 4, 3, 4, 3], 2)]
+    assert lookup_continuations(torch.tensor([1, 2, 3, 9, 1, 2, 3]), 6) == [([9, 1, 2, 3, 9, 1], 3)]
     assert lookup_continuations(torch.tensor([1, 2, 3, 4]), 5) == []
     assert lookup_continuations(torch.tensor([7]), 5) == []
 
@@ -51,6 +56,37 @@ def test_only_a_long_match_makes_a_lookup_only_round_of_its_own_branches():
     weak = lookup_continuations(torch.tensor([5, 6, 7, 8, 5, 6]), 4)  # "5 6" recurs: a 2-token match
     assert weak == [([7, 8, 5, 6], 2)] and not is_lookup_round(weak)
     assert not is_lookup_round([])
+
+
+def test_a_gated_round_verifies_the_best_matchs_branch_cut_short_or_the_root_alone():
+    branches = lookup_continuations(torch.tensor([5, 6, 7, 8, 9, 3, 6, 7, 2, 6, 1, 5, 6]), 6)
+    assert branches[0] == ([7, 8, 9, 3, 6, 7], 2)
+    pool = lookup_pool(torch.tensor([6]), branches, 3)
+    assert pool.tokens.tolist() == [[7, 8, 9]] and pool.parents.tolist() == [[-1, 0, 1]] and pool.lookup.all()
+    assert torch.allclose(pool.scores[0], torch.tensor([k * math.log(LOOKUP_TOKEN_PROB[2]) for k in (1, 2, 3)]))
+    empty = lookup_pool(torch.tensor([6]), [], 3)
+    tree = pack_tree(empty, torch.tensor([6]), empty.tokens.shape[1], 7)
+    assert tree.tokens.tolist() == [[6]] and tree.num_nodes == 0  # a plain step
+
+
+def test_the_drafter_gate_closes_on_a_drafter_that_does_not_pay_and_retries_it():
+    gate = DrafterGate(0.5)
+    assert gate.is_open  # the first round always drafts
+    gate.drafted(0)
+    assert not gate.is_open
+    for _ in range(DRAFTER_GATE_ROUNDS - 1):
+        gate.skipped()
+        assert not gate.is_open
+    gate.skipped()
+    assert gate.is_open  # after DRAFTER_GATE_ROUNDS rounds without it the drafter drafts again
+    gate.drafted(3)  # a running mean: 0.3 * 3 = 0.9 >= 0.5
+    assert math.isclose(gate.gain, DRAFTER_GATE_SMOOTHING * 3) and gate.is_open and gate.idle == 0
+    gate.drafted(0)
+    gate.drafted(0)  # 0.9 * 0.7 * 0.7 = 0.44
+    assert not gate.is_open
+    never = DrafterGate(0.0)
+    never.drafted(0)
+    assert never.is_open
 
 
 def small_pool(vocab: int = 12, policy: TreePolicy | None = None):
@@ -108,7 +144,8 @@ def test_greedy_with_lookup_branches_equals_plain_generate(arch, attn):
     for ids, new in ((repeating, 30), (prompt(1, 17), 25), (prompt(2, 5), 20)):
         ref = target.generate(ids, do_sample=False, max_new_tokens=new)
         oracle = make_oracle(target, ref)  # drafter candidates that duplicate lookup branches
-        for knobs in ({"tree_lookup": 4}, {"tree_lookup": 7, "tree_budget": 3}, {"tree_lookup": 2, "tree_chain": True}):
+        for knobs in ({"tree_lookup": 4}, {"tree_lookup": 4, "tree_gate": 0}, {"tree_lookup": 7, "tree_budget": 3},
+                      {"tree_lookup": 2, "tree_chain": True}):
             for d in (drafter, oracle):
                 out = target.generate(ids, assistant_model=d, do_sample=False, max_new_tokens=new,
                                       return_dict_in_generate=True, **knobs)
