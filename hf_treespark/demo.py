@@ -457,11 +457,13 @@ def render_stats(stats: dict, status: str = "") -> str:
 
 
 def acceptance_histogram(lengths: list[int], depth: int):
-    """`pandas.DataFrame` of how many rounds committed 1, 2, ..., `depth + 1` tokens."""
+    """`pandas.DataFrame` of how many rounds committed 1, 2, ..., `depth + 1` tokens (more where a long
+    lookup-only round committed more)."""
     import pandas as pd
 
-    counts = [sum(n == k for n in lengths) for k in range(1, depth + 2)]
-    return pd.DataFrame({"tokens per round": [str(k) for k in range(1, depth + 2)], "rounds": counts})
+    top = max([depth + 1, *lengths])
+    counts = [sum(n == k for n in lengths) for k in range(1, top + 1)]
+    return pd.DataFrame({"tokens per round": [str(k) for k in range(1, top + 1)], "rounds": counts})
 
 
 NODE_W, NODE_H, COL_GAP, ROW_H, PAD = 112, 20, 30, 24, 8

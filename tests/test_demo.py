@@ -124,6 +124,8 @@ def test_histogram_counts_rounds_per_committed_length():
     frame = acceptance_histogram([1, 3, 3, 8], depth=7)
     assert list(frame["tokens per round"]) == [str(k) for k in range(1, 9)]
     assert list(frame["rounds"]) == [1, 0, 2, 0, 0, 0, 0, 1]
+    longer = acceptance_histogram([2, 17], depth=7)  # a long lookup-only round commits up to 17 tokens
+    assert len(longer) == 17 and list(longer["rounds"])[16] == 1 and sum(longer["rounds"]) == 2
 
 
 def test_package_imports_without_gradio():
