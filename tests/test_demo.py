@@ -29,6 +29,7 @@ from hf_treespark.demo import (
     render_tree,
 )
 from hf_treespark.generation import RoundRecord
+from hf_treespark.lookup import LOOKUP_LONG_TOKENS
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "Explain what a binary search does."
@@ -213,9 +214,10 @@ def test_api_answer_equals_plain_greedy_with_per_round_data(client, models, plai
     # The prefill forward commits the first token, each round the rest.
     assert 1 + sum(len(r["committed"]) for r in rounds) == len(result["new_token_ids"])
     assert [t for r in rounds for t in r["committed_ids"]] == plain_greedy[1:]
-    # budget 8 for the drafter's nodes, plus at most tree_lookup nodes from lookup branches (lookup.py)
-    most = 8 + models[2].config.tree_lookup
-    assert all(1 <= r["tree_size"] <= most and 0 <= r["num_accepted"] <= r["tree_size"] for r in rounds)
+    # budget 8 for the drafter's nodes plus at most tree_lookup nodes from lookup branches, or a long
+    # lookup-only round; a round the drafter gate closed may verify the root alone (lookup.py)
+    most = max(8 + models[2].config.tree_lookup, LOOKUP_LONG_TOKENS)
+    assert all(0 <= r["tree_size"] <= most and 0 <= r["num_accepted"] <= r["tree_size"] for r in rounds)
     assert result["acceptance_length"] == pytest.approx(sum(len(r["committed"]) for r in rounds) / len(rounds))
 
 
