@@ -37,7 +37,6 @@ from transformers import DynamicCache, LogitsProcessorList
 
 from .lookup import (
     LOOKUP_LONG_TOKENS,
-    LOOKUP_WEAK_TOKENS,
     DrafterGate,
     add_lookup_branches,
     find_lookup_branches,
@@ -225,7 +224,7 @@ class TreeSparkSession:
             branches = [(tokens[:length], n) for tokens, n in branches]
             if self.gate is not None and not self.gate.is_open:
                 self.gate.skipped()
-                pool = lookup_pool(x0, branches, min(LOOKUP_WEAK_TOKENS, self.policy.lookup))
+                pool = lookup_pool(x0, branches, self.policy.lookup)
                 return pack_tree(pool, x0, pool.tokens.shape[1], self.policy.depth)
         self.ran_drafter = True
         with self._phase("draft"):

@@ -51,7 +51,9 @@ The drafter gate. With lookup on, a drafter pass has to earn its cost: it adds a
 nodes to the round. `DrafterGate` keeps a running mean of the drafted tokens each drafter round got
 accepted (nodes only a lookup branch proposed do not count). While that mean is below the gate's
 threshold, rounds that are not lookup-only skip the drafter too: they verify the longest, most recent
-match's branch cut to `LOOKUP_WEAK_TOKENS` tokens, or the root alone (a plain step) when nothing matches.
+match's branch, `L` tokens after a 2-token match and `LOOKUP_WEAK_TOKENS` after a 1-token one
+(`gated_branch_length`: the first token of a 2-token match's branch is the target's in 55% of positions,
+of a 1-token one's in 23%), or the root alone (a plain step) when nothing matches.
 After `DRAFTER_GATE_ROUNDS` such rounds the drafter drafts again, so the mean follows the text. The
 threshold is what a drafter round costs beyond a plain step, in plain steps (`budget.gate_threshold`,
 from this device's measured latency): a drafter that gets more drafted tokens accepted than that
@@ -62,7 +64,8 @@ branches were computed at every position of the target's float32 greedy answers 
 positions), and policies were replayed on them with this CPU's measured forward costs. With the shipped
 drafter: the gate 1.33x / 1.55x plain decoding (prose / code), drafting in every round 1.26x / 1.41x,
 prompt lookup 1.22x / 1.43x; the weak branch's length (3 to 5 tokens), the threshold (0.2 to 0.5) and
-the retry interval (8 to 32 rounds) moved this by under 2%. Measured on 6 of those prompts, one run:
+the retry interval (8 to 32 rounds) moved this by under 2%, and `L` tokens after a 2-token match rather
+than 4 added about 0.01 tokens per round at the same speed. Measured on 6 of those prompts, one run:
 the gate with the periodic and long branches 1.76x, drafting in every round 1.66x, prompt lookup 1.68x.
 `tree_gate=0` drafts every round that is not
 lookup-only.
@@ -84,7 +87,7 @@ LOOKUP_TOKEN_PROB = {1: 0.3, 2: 0.5, 3: 0.6}  # per-token acceptance estimate by
 LOOKUP_ROUND_NGRAM = 3  # a match this long makes the round lookup-only (see "Lookup-only rounds")
 LOOKUP_ROUND_BRANCHES = 1  # branches of a lookup-only round at most (the longest, most recent match)
 LOOKUP_LONG_TOKENS = 16  # branch length of a lookup-only round after one accepted whole
-LOOKUP_WEAK_TOKENS = 4  # branch length of a gated round (see "The drafter gate")
+LOOKUP_WEAK_TOKENS = 4  # branch length of a gated round after a 1-token match (see "The drafter gate")
 DRAFTER_GATE_ROUNDS = 16  # a gated drafter drafts again after this many rounds without it
 DRAFTER_GATE_SMOOTHING = 0.3  # weight of the newest drafter round in the gate's running mean
 
@@ -135,18 +138,24 @@ def lookup_pool(root_tokens: torch.Tensor, branches: list[tuple[list[int], int]]
     """The candidate pool of a round without a drafter pass (batch size 1, root `x0` = `root_tokens` `[1]`).
 
     Lookup-only round (`length=None`): the branches of matches of at least `LOOKUP_ROUND_NGRAM` tokens.
-    Gated round (`length` given): the first branch (the longest, most recent match), cut to `length`
-    tokens; no branch leaves the pool empty (the round verifies the root alone). Every node is a lookup
-    node, scored as in `graft_lookup`.
+    Gated round (`length` given, `L`): the first branch (the longest, most recent match), cut to
+    `gated_branch_length(n, L)` tokens; no branch leaves the pool empty (the round verifies the root
+    alone). Every node is a lookup node, scored as in `graft_lookup`.
     """
     empty = Candidates(
         tokens=root_tokens.new_zeros(1, 0), parents=root_tokens.new_zeros(1, 0), depths=root_tokens.new_zeros(1, 0),
         scores=torch.zeros(1, 0, device=root_tokens.device), packed=None, node_index=None, expansions=[],
     )
     if length is not None:
-        return graft_lookup(empty, [(tokens[:length], n) for tokens, n in branches[:1]])
+        return graft_lookup(empty, [(tokens[:gated_branch_length(n, length)], n) for tokens, n in branches[:1]])
     strong = [(tokens, n) for tokens, n in branches if n >= LOOKUP_ROUND_NGRAM]
     return graft_lookup(empty, strong[:LOOKUP_ROUND_BRANCHES])
+
+
+def gated_branch_length(n: int, length: int) -> int:
+    """Tokens a gated round verifies after an `n`-token match: `L` (`length`) after 2 tokens or more,
+    `LOOKUP_WEAK_TOKENS` (at most `L`) after 1 (see "The drafter gate")."""
+    return length if n >= 2 else min(LOOKUP_WEAK_TOKENS, length)
 
 
 class DrafterGate:

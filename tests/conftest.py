@@ -11,6 +11,16 @@ from hf_treespark import TreeSparkConfig, TreeSparkDrafter
 
 VOCAB = 128
 
+
+@pytest.fixture(autouse=True)
+def _one_training_precision_per_test():
+    """A training run fixes accelerate's process-wide mixed precision, as one `treespark train` process does;
+    tests that train with different precisions in one pytest process each start from a clean state."""
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state()
+
 ARCHITECTURES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 16}),

@@ -235,8 +235,6 @@ def test_a_closed_drafter_gate_skips_the_drafter_and_stays_exact(llama_pair):
     """An untrained drafter gets (almost) nothing accepted: with a gate the session stops drafting and
     verifies short lookup branches or the root alone, and its later passes still see every committed
     position. Gate 0 drafts in every round that is not lookup-only."""
-    from hf_treespark.lookup import LOOKUP_WEAK_TOKENS
-
     target, drafter = llama_pair
     ids = torch.randint(4, 100, (1, 9), generator=torch.Generator().manual_seed(4))
     ref = target.generate(ids, do_sample=False, max_new_tokens=40)
@@ -264,7 +262,7 @@ def test_a_closed_drafter_gate_skips_the_drafter_and_stays_exact(llama_pair):
                     assert session.gate.idle == 0
                 elif session.gate.idle == idle + 1:  # the gate skipped the drafter
                     kinds[gate].append("gated")
-                    assert rnd.tree.num_nodes <= LOOKUP_WEAK_TOKENS
+                    assert rnd.tree.num_nodes <= 6  # one branch of at most L tokens
                     assert rnd.tree.num_nodes == 0 or bool(rnd.tree.lookup[0, 1:].all())
                 else:  # a lookup-only round (a 3-token match) leaves the gate's count alone
                     kinds[gate].append("lookup")

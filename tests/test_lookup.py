@@ -15,7 +15,9 @@ from hf_treespark.lookup import (
     DRAFTER_GATE_SMOOTHING,
     LOOKUP_ROUND_NGRAM,
     LOOKUP_TOKEN_PROB,
+    LOOKUP_WEAK_TOKENS,
     DrafterGate,
+    gated_branch_length,
     graft_lookup,
     is_lookup_round,
     lookup_continuations,
@@ -58,12 +60,18 @@ def test_only_a_long_match_makes_a_lookup_only_round_of_its_own_branches():
     assert not is_lookup_round([])
 
 
-def test_a_gated_round_verifies_the_best_matchs_branch_cut_short_or_the_root_alone():
+def test_a_gated_round_verifies_the_best_matchs_branch_cut_by_its_match_length_or_the_root_alone():
     branches = lookup_continuations(torch.tensor([5, 6, 7, 8, 9, 3, 6, 7, 2, 6, 1, 5, 6]), 6)
     assert branches[0] == ([7, 8, 9, 3, 6, 7], 2)
-    pool = lookup_pool(torch.tensor([6]), branches, 3)
-    assert pool.tokens.tolist() == [[7, 8, 9]] and pool.parents.tolist() == [[-1, 0, 1]] and pool.lookup.all()
-    assert torch.allclose(pool.scores[0], torch.tensor([k * math.log(LOOKUP_TOKEN_PROB[2]) for k in (1, 2, 3)]))
+    pool = lookup_pool(torch.tensor([6]), branches, 5)  # a 2-token match: the whole L = 5 tokens
+    assert pool.tokens.tolist() == [[7, 8, 9, 3, 6]] and pool.parents.tolist() == [[-1, 0, 1, 2, 3]]
+    assert pool.lookup.all()
+    assert torch.allclose(pool.scores[0], torch.tensor([k * math.log(LOOKUP_TOKEN_PROB[2]) for k in range(1, 6)]))
+    single = lookup_continuations(torch.tensor([4, 8, 1, 2, 3, 4, 5, 6, 9, 8]), 7)
+    assert single[0] == ([1, 2, 3, 4, 5, 6, 9], 1)
+    pool = lookup_pool(torch.tensor([8]), single, 7)  # a 1-token match: LOOKUP_WEAK_TOKENS tokens
+    assert pool.tokens.tolist() == [[1, 2, 3, 4, 5, 6, 9][:LOOKUP_WEAK_TOKENS]]
+    assert gated_branch_length(1, 2) == min(LOOKUP_WEAK_TOKENS, 2) and gated_branch_length(3, 7) == 7
     empty = lookup_pool(torch.tensor([6]), [], 3)
     tree = pack_tree(empty, torch.tensor([6]), empty.tokens.shape[1], 7)
     assert tree.tokens.tolist() == [[6]] and tree.num_nodes == 0  # a plain step

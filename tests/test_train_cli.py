@@ -22,9 +22,10 @@ from hf_treespark.training.trainer import FeatureCache
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "train_drafter.py"
-# A drafter small enough for a few steps in seconds, built by the CLI itself.
-TINY = ["--draft-layers", "1", "--heads", "2", "--kv-heads", "1", "--head-dim", "32", "--intermediate-size", "64",
-        "--markov-rank", "16", "--mask-token-id", "3", "--anchors", "8", "--lr", "2e-3"]
+# A drafter small enough for a few steps in seconds, built by the CLI itself; float32 steps, so that runs
+# compared update for update (resumed, two processes) match on any CPU (bf16 autocast has its own test).
+TINY = ["--mixed-precision", "no", "--draft-layers", "1", "--heads", "2", "--kv-heads", "1", "--head-dim", "32",
+        "--intermediate-size", "64", "--markov-rank", "16", "--mask-token-id", "3", "--anchors", "8", "--lr", "2e-3"]
 
 
 @pytest.fixture(scope="module")
@@ -274,3 +275,42 @@ def test_normalize_features_sets_statistics_once_and_a_resumed_run_keeps_them(ti
     resumed = TreeSparkDrafter.from_pretrained(out / "final")
     assert torch.equal(resumed.feature_mean, first.feature_mean)
     assert torch.equal(resumed.feature_scale, first.feature_scale)
+
+
+@pytest.mark.parametrize(("cuda", "native_bf16", "expected"), [(False, True, "bf16"), (False, False, "no")])
+def test_mixed_precision_auto_is_bf16_on_a_cpu_with_native_bf16_only(monkeypatch, tmp_path, cuda, native_bf16,
+                                                                       expected):
+    from hf_treespark.training import trainer
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(trainer, "cpu_has_native_bf16", lambda: native_bf16)
+    assert trainer.mixed_precision(trainer.TrainConfig(output_dir=str(tmp_path))) == expected
+    for chosen in ("no", "bf16"):  # an explicit choice is kept
+        assert trainer.mixed_precision(trainer.TrainConfig(output_dir=str(tmp_path), mixed_precision=chosen)) == chosen
+
+
+def test_a_bf16_drafter_trains_from_float32_weights_under_bf16_autocast(tiny_files, tmp_path, capsys):
+    """`--init-from` a drafter saved in bf16 (as the shipped one is): its weights train in float32, so small
+    AdamW updates are not rounded away, and `--mixed-precision bf16` changes the products, not the weights."""
+    from hf_treespark.modeling import TreeSparkDrafter
+
+    assert train(tiny_files, tmp_path / "first", "--max-steps", "1", "--batch-size", "4") == 0
+    start = TreeSparkDrafter.from_pretrained(tmp_path / "first" / "final").to(torch.bfloat16)
+    start.save_pretrained(tmp_path / "bf16")
+    parser = train_cli.argparse.ArgumentParser()
+    train_cli.add_arguments(parser)
+    args = parser.parse_args(["--init-from", str(tmp_path / "bf16"), "--output-dir", str(tmp_path / "x")])
+    drafter = train_cli.build_drafter(args, None)
+    assert {p.dtype for p in drafter.parameters()} == {torch.float32}
+    from accelerate.state import AcceleratorState
+
+    losses = {}
+    for mode in ("no", "bf16"):
+        AcceleratorState._reset_state()  # one precision per process, as in a real run
+        out = tmp_path / mode
+        assert train(tiny_files, out, "--init-from", str(tmp_path / "bf16"), "--max-steps", "2", "--batch-size", "4",
+                     "--mixed-precision", mode) == 0
+        losses[mode] = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["loss"]
+        assert torch.isfinite(torch.tensor(losses[mode]))
+    assert losses["no"] != losses["bf16"]  # autocast ran the step's products in bf16
+    capsys.readouterr()

@@ -29,7 +29,8 @@ def tiny_trainer(output_dir, preset: str = "treespark", batch_size: int = 2, max
         drafter.markov_head.markov_w2.weight.zero_()
     if draft_vocab is not None:
         drafter.restrict_vocabulary(draft_vocab)
-    fields = dict(anchors_per_sequence=8, lr=2e-3, save_every=3, log_every=1)
+    fields = dict(anchors_per_sequence=8, lr=2e-3, save_every=3, log_every=1,
+                  mixed_precision="no")  # float32 steps: compared update for update on any CPU
     fields.update(overrides)
     config = TrainConfig(output_dir=str(output_dir), preset=preset, max_steps=max_steps, batch_size=batch_size,
                          **fields)

@@ -81,6 +81,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    " measured faster than a target forward per step on a 2-core CPU); one per --max-length, data"
                    " and target")
     p.add_argument("--no-feature-cache", action="store_true", help="recompute target features every step")
+    p.add_argument("--mixed-precision", choices=("auto", "no", "bf16"), default="auto",
+                   help="bf16 autocast of the training step; auto: on a CUDA device that supports it or a CPU "
+                        "with native bf16 instructions (see hf_treespark.precision), else no (default: auto)")
     p.add_argument("--tensorboard", action="store_true", help="log metrics to OUTPUT_DIR for TensorBoard")
     p.add_argument("--seed", type=int, default=0, help="drafter initialisation, data order and anchors")
     p.add_argument("--loss", type=json_object, default={},
@@ -167,7 +170,11 @@ def load_target(name: str, with_tokenizer: bool):
 
 
 def build_drafter(args: argparse.Namespace, target):
-    """The drafter to train: `--init-from`, or a fresh one shaped by the options and the preset."""
+    """The drafter to train: `--init-from`, or a fresh one shaped by the options and the preset.
+
+    Its weights are float32 whatever precision a checkpoint was saved in (the shipped drafter is bf16):
+    AdamW's updates are far below bf16's resolution of a weight; `--mixed-precision` runs the products in bf16.
+    """
     import torch
 
     from .. import assets
@@ -175,7 +182,7 @@ def build_drafter(args: argparse.Namespace, target):
     from ..modeling import TreeSparkDrafter
 
     if args.init_from:
-        return TreeSparkDrafter.from_pretrained(args.init_from)
+        return TreeSparkDrafter.from_pretrained(args.init_from, dtype=torch.float32)
     mask = args.mask_token_id
     if mask is None and args.target == "default":
         mask = DEFAULT_MASK_TOKEN_ID
@@ -265,7 +272,8 @@ def run(args: argparse.Namespace) -> int:
                          anchors_per_sequence=args.anchors, updates_per_batch=args.updates_per_batch,
                          save_every=args.save_every, seed=args.seed,
                          feature_cache=cache, tensorboard=args.tensorboard, eval_every=args.eval_every,
-                         eval_budget=args.eval_budget, loss=LossConfig(**args.loss))
+                         eval_budget=args.eval_budget, mixed_precision=args.mixed_precision,
+                         loss=LossConfig(**args.loss))
     # First, before anything else touches accelerate's state: under torchrun this joins the process group.
     accelerator = build_accelerator(config)
     needs_dev_set = args.eval_every > 0 and not args.dev_data

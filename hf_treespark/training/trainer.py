@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from ..engine import target_features
+from ..precision import cpu_has_native_bf16
 from ..tree import TreePolicy
 from .data import check_token_ids, collate_references
 from .losses import normalise
@@ -68,7 +69,7 @@ class TrainConfig:
     log_every: int = 10
     tensorboard: bool = False
     feature_cache: str | None = None  # directory of cached target features (None: target forward per step)
-    mixed_precision: str = "auto"  # "auto": bf16 on CUDA devices that support it, else fp32
+    mixed_precision: str = "auto"  # "auto": bf16 autocast where the device computes it natively (`mixed_precision`)
     eval_every: int = 0  # optimizer steps between development-set evaluations (0: none)
     eval_budget: int = 8  # tree budget N of those evaluations
     loss: LossConfig = field(default_factory=LossConfig)
@@ -296,12 +297,21 @@ def build_accelerator(config: TrainConfig):
     """
     from accelerate import Accelerator
 
-    mixed = config.mixed_precision
-    if mixed == "auto":
-        mixed = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
-    return Accelerator(gradient_accumulation_steps=config.grad_accum, mixed_precision=mixed,
+    return Accelerator(gradient_accumulation_steps=config.grad_accum, mixed_precision=mixed_precision(config),
                        log_with="tensorboard" if config.tensorboard else None, project_dir=config.output_dir,
                        cpu=_cpu_processes_under_torchrun())
+
+
+def mixed_precision(config: TrainConfig) -> str:
+    """Accelerate's `mixed_precision` for `config`: "auto" is "bf16" on a CUDA device that supports it, or, with
+    no CUDA device, on a CPU with native bf16 instructions (`precision.cpu_has_native_bf16`); else "no".
+    Weights, optimizer state and the losses' reductions stay float32; autocast runs the matrix products in bf16.
+    """
+    if config.mixed_precision != "auto":
+        return config.mixed_precision
+    if torch.cuda.is_available():
+        return "bf16" if torch.cuda.is_bf16_supported() else "no"
+    return "bf16" if cpu_has_native_bf16() else "no"
 
 
 def _cpu_processes_under_torchrun() -> bool:
@@ -484,9 +494,11 @@ class Trainer:
 
     def _features(self, batch):
         device = self.accelerator.device
-        if self.feature_cache is None:
-            return target_features(self.target, self.drafter.config.target_layer_ids,
-                                   batch["input_ids"].to(device), batch["attention_mask"].to(device))
+        if self.feature_cache is None:  # under the step's autocast: bf16 features where inference runs bf16
+            with self.accelerator.autocast():
+                feats, hidden = target_features(self.target, self.drafter.config.target_layer_ids,
+                                                batch["input_ids"].to(device), batch["attention_mask"].to(device))
+            return feats.float(), hidden.float()
         t_len = batch["input_ids"].shape[1]
         feats, hidden = [], []
         for seq_id in batch["ids"]:
