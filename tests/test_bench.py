@@ -57,7 +57,8 @@ def test_a_wrong_output_fails_the_run_after_writing_the_results(tmp_path, monkey
 
     monkeypatch.setattr(bench, "_generate", corrupted)
     out = tmp_path / "bench"
-    rc = bench.main(["--smoke", "--suites", "mtbench", "--methods", "plain,treespark", "--output-dir", str(out)])
+    rc = bench.main(["--smoke", "--suites", "mtbench", "--methods", "plain,treespark", "--dtype", "fp32",
+                     "--output-dir", str(out)])
     assert rc == 1
     report = json.loads((out / "results.json").read_text())
     assert len(report["violations"]) == 1 and report["violations"][0].startswith("treespark on mtbench")
