@@ -17,7 +17,7 @@ PROMPT = "List the planets of the solar system, one per line."
 @pytest.fixture(scope="module")
 def real():
     """The offline default target, its tokenizer and the shipped drafter (real text, real stop strings)."""
-    target, tokenizer = assets.load_default_target()
+    target, tokenizer = assets.load_default_target(dtype=torch.float32)  # strict equality: float32
     return target, tokenizer, assets.load_default_drafter()
 
 
