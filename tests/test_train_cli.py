@@ -283,7 +283,9 @@ def test_mixed_precision_auto_is_bf16_on_a_cpu_with_native_bf16_only(monkeypatch
     from hf_treespark.training import trainer
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    monkeypatch.setattr(trainer, "cpu_has_native_bf16", lambda: native_bf16)
+    from hf_treespark import precision
+
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native_bf16)
     assert trainer.mixed_precision(trainer.TrainConfig(output_dir=str(tmp_path))) == expected
     for chosen in ("no", "bf16"):  # an explicit choice is kept
         assert trainer.mixed_precision(trainer.TrainConfig(output_dir=str(tmp_path), mixed_precision=chosen)) == chosen

@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from ..engine import target_features
-from ..precision import cpu_has_native_bf16
+from ..precision import auto_dtype
 from ..tree import TreePolicy
 from .data import check_token_ids, collate_references
 from .losses import normalise
@@ -303,15 +303,14 @@ def build_accelerator(config: TrainConfig):
 
 
 def mixed_precision(config: TrainConfig) -> str:
-    """Accelerate's `mixed_precision` for `config`: "auto" is "bf16" on a CUDA device that supports it, or, with
-    no CUDA device, on a CPU with native bf16 instructions (`precision.cpu_has_native_bf16`); else "no".
-    Weights, optimizer state and the losses' reductions stay float32; autocast runs the matrix products in bf16.
+    """Accelerate's `mixed_precision` for `config`: "auto" is "bf16" where inference's `dtype="auto"` is bf16
+    on this machine's device (`precision.auto_dtype`: a CUDA device that supports it, or, with no CUDA device,
+    a CPU with native bf16 instructions), else "no". Weights, optimizer state and the losses' reductions stay
+    float32; autocast runs the matrix products in bf16.
     """
     if config.mixed_precision != "auto":
         return config.mixed_precision
-    if torch.cuda.is_available():
-        return "bf16" if torch.cuda.is_bf16_supported() else "no"
-    return "bf16" if cpu_has_native_bf16() else "no"
+    return "bf16" if auto_dtype("cuda" if torch.cuda.is_available() else "cpu") == torch.bfloat16 else "no"
 
 
 def _cpu_processes_under_torchrun() -> bool:
