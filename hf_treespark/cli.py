@@ -188,6 +188,16 @@ def cmd_train(args) -> int:
     return run(args)
 
 
+def cmd_export(args) -> int:
+    """Write the drafter of a training checkpoint to a drafter directory."""
+    from .training.export import export_checkpoint
+
+    export_checkpoint(args.checkpoint, args.output, dtype=args.dtype)
+    print(f"[export] {args.checkpoint} -> {args.output} ({args.dtype}); measure its acceptance profile for "
+          f"tree_budget='auto' with: treespark calibrate --drafter {args.output}")
+    return 0
+
+
 def cmd_push(args) -> int:
     """Upload a trained drafter directory, with its model card, to a Hub repository."""
     from pathlib import Path
@@ -290,6 +300,13 @@ def main(argv: list[str] | None = None) -> int:
     train = sub.add_parser("train", help="train a drafter for a target (resumable; see --help)")
     add_train_arguments(train)
     train.set_defaults(func=cmd_train)
+
+    export = sub.add_parser("export", help="write the drafter of a training checkpoint to a drafter directory")
+    export.add_argument("checkpoint", help="a checkpoint of a training run, OUTPUT_DIR/checkpoints/step-N")
+    export.add_argument("--output", required=True, help="new directory for the drafter")
+    export.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="precision of the saved weights (the shipped drafter is bfloat16)")
+    export.set_defaults(func=cmd_export)
 
     push = sub.add_parser("push", help="upload a trained drafter and its model card to the Hugging Face Hub")
     add_push_arguments(push)

@@ -316,3 +316,57 @@ def test_a_bf16_drafter_trains_from_float32_weights_under_bf16_autocast(tiny_fil
         assert torch.isfinite(torch.tensor(losses[mode]))
     assert losses["no"] != losses["bf16"]  # autocast ran the step's products in bf16
     capsys.readouterr()
+
+
+@pytest.mark.parametrize("option, saved, other", [("--batch-size", "4", "2"), ("--updates-per-batch", "1", "2"),
+                                                  ("--seed", "0", "1")])
+def test_a_resume_with_another_data_position_setting_is_refused(tiny_files, tmp_path, capsys, option, saved, other):
+    """These settings decide which data a step number stands for: resuming under others would skip or repeat
+    data silently."""
+    base = ["--max-steps", "2", "--batch-size", "4"] if option != "--batch-size" else ["--max-steps", "2"]
+    assert train(tiny_files, tmp_path, *base, option, saved) == 0
+    capsys.readouterr()
+    assert train(tiny_files, tmp_path, *base, option, other) == 2
+    key = option.removeprefix("--").replace("-", "_")
+    err = capsys.readouterr().err
+    assert f"{key} {int(saved)!r} there, {int(other)!r} here" in err and "intact" in err
+
+
+def test_export_writes_the_checkpoints_drafter_and_refuses_a_damaged_one(tiny_files, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    from hf_treespark.modeling import TreeSparkDrafter
+
+    assert train(tiny_files, tmp_path / "run", "--max-steps", "2", "--draft-vocab-size", "40") == 0
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000002"
+    assert cli.main(["export", str(checkpoint), "--output", str(tmp_path / "out"), "--dtype", "float32"]) == 0
+    assert "treespark calibrate --drafter" in capsys.readouterr().out
+    final = TreeSparkDrafter.from_pretrained(tmp_path / "run" / "final")
+    exported = TreeSparkDrafter.from_pretrained(tmp_path / "out")
+    assert exported.config.draft_vocab_size == 40 and exported.config.acceptance_profile is None
+    assert exported.config.target_name_or_path == final.config.target_name_or_path
+    assert final.state_dict().keys() == exported.state_dict().keys()
+    assert all(torch.equal(v, exported.state_dict()[k]) for k, v in final.state_dict().items())
+    # bf16 by default, like the shipped drafter
+    assert cli.main(["export", str(checkpoint), "--output", str(tmp_path / "bf16")]) == 0
+    assert TreeSparkDrafter.from_pretrained(tmp_path / "bf16", dtype="auto").dtype == torch.bfloat16
+    # a checkpoint written before drafter_config.json: the architecture comes from trainer_state.json
+    (checkpoint / "drafter_config.json").unlink()
+    assert cli.main(["export", str(checkpoint), "--output", str(tmp_path / "old"), "--dtype", "float32"]) == 0
+    old = TreeSparkDrafter.from_pretrained(tmp_path / "old")
+    assert all(torch.equal(v, old.state_dict()[k]) for k, v in final.state_dict().items())
+    # an existing output directory is not overwritten
+    capsys.readouterr()
+    assert cli.main(["export", str(checkpoint), "--output", str(tmp_path / "out")]) == 2
+    assert "exists and is not empty" in capsys.readouterr().err
+    # a checkpoint missing a weight is refused, naming it, and nothing is written
+    weights = load_file(str(checkpoint / "model.safetensors"))
+    del weights["drafter.fc.weight"]
+    save_file(weights, str(checkpoint / "model.safetensors"))
+    assert cli.main(["export", str(checkpoint), "--output", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err
+    assert "missing: fc.weight" in err and "nothing was written" in err
+    assert not (tmp_path / "bad").exists()
+    (checkpoint / "model.safetensors").write_bytes(b"not safetensors")
+    assert cli.main(["export", str(checkpoint), "--output", str(tmp_path / "bad")]) == 2
+    assert "cannot be read" in capsys.readouterr().err and not (tmp_path / "bad").exists()

@@ -383,6 +383,8 @@ class Trainer:
         if acc.is_main_process:
             state = {"step": self.step, "anchors_seen": self.anchors_seen, "config": _jsonable(self.config),
                      "drafter_config": self._drafter_fields()}
+            # the whole drafter config, for `treespark export` (training.export)
+            self.unwrapped_drafter().config.to_json_file(str(tmp / "drafter_config.json"))
             (tmp / "trainer_state.json").write_text(json.dumps(state))
             if final.exists():  # the same step written by an earlier run of this output dir
                 shutil.rmtree(final)
@@ -411,6 +413,10 @@ class Trainer:
         saved_preset = state.get("config", {}).get("preset")
         if saved_preset is not None and saved_preset != self.config.preset:
             conflicts.append(f"preset {saved_preset!r} there, {self.config.preset!r} here")
+        saved_config = state.get("config", {})
+        for key in _RESUME_POSITION_FIELDS:  # a step number means another place in the data under other values
+            if key in saved_config and saved_config[key] != getattr(self.config, key):
+                conflicts.append(f"{key} {saved_config[key]!r} there, {getattr(self.config, key)!r} here")
         saved, now = state.get("drafter_config") or {}, self._drafter_fields()
         for key in sorted(set(saved) & set(now)):
             if saved[key] != now[key]:
@@ -448,6 +454,11 @@ class Trainer:
                                "resumes from the checkpoint before it.") from err
         self.step = int(state["step"])
         self.anchors_seen = int(state.get("anchors_seen", 0))
+        saved_precision = state.get("config", {}).get("mixed_precision")
+        if saved_precision is not None and saved_precision != self.config.mixed_precision \
+                and self.accelerator.is_main_process:
+            print(f"[resume] mixed precision {self.config.mixed_precision!r} from step {self.step} on "
+                  f"(the checkpoint's run used {saved_precision!r})")
         saved_lr = state.get("config", {}).get("lr")
         if saved_lr is not None and saved_lr != self.config.lr:
             self._set_peak_lr(self.config.lr)
@@ -640,6 +651,8 @@ class Trainer:
         return self.accelerator.unwrap_model(self.objective).drafter
 
 
+# Training settings that map a step to a place in the data (order, batches, micro-steps): a resumed run must keep them.
+_RESUME_POSITION_FIELDS = ("batch_size", "grad_accum", "updates_per_batch", "seed")
 # Drafter config fields that may change between a checkpoint and its resumption.
 _RESUME_IGNORED_FIELDS = {"acceptance_profile", "target_name_or_path", "transformers_version", "initializer_range"}
 
