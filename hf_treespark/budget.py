@@ -306,7 +306,9 @@ def calibrate_acceptance(target, drafter, prompts: list[dict], budgets=CANDIDATE
     """Measure the drafter's mean acceptance length at each budget (greedy) on `prompts`.
 
     `prompts`: tokenised inputs (`input_ids`, `attention_mask`). The result is what
-    `config.acceptance_profile` holds: `{"N": tau}`.
+    `config.acceptance_profile` holds: `{"N": tau}`. Lookup branches are off here (`tree_lookup=0`): `tau(N)`
+    prices a drafter round of budget `N`, and with lookup on, lookup-only rounds and the drafter gate (whose
+    threshold depends on `N`) would mix rounds of other costs into it (measured: not even monotone in `N`).
     """
     from tqdm.auto import tqdm
 
@@ -315,7 +317,7 @@ def calibrate_acceptance(target, drafter, prompts: list[dict], budgets=CANDIDATE
         committed = rounds = 0
         for inputs in prompts:
             out = target.generate(**inputs, assistant_model=drafter, max_new_tokens=max_new_tokens,
-                                  do_sample=False, tree_budget=n, return_dict_in_generate=True)
+                                  do_sample=False, tree_budget=n, tree_lookup=0, return_dict_in_generate=True)
             committed += sum(r.acceptance_length for r in out.rounds)
             rounds += len(out.rounds)
         profile[str(n)] = committed / max(1, rounds)

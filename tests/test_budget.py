@@ -123,3 +123,29 @@ def test_the_gate_threshold_is_a_drafter_rounds_extra_cost_in_plain_steps(latenc
     # a drafter round cheaper than a plain step (a measurement artefact) never gives a negative threshold
     verify[2] = 0.05
     assert budget.gate_threshold(target, drafter, TreePolicy(budget=2)) == 0.0
+
+
+def test_calibrated_acceptance_prices_drafter_rounds_without_lookup(monkeypatch):
+    """The profile is the drafter's own acceptance per budget: with the drafter's lookup on, calibration still
+    verifies no lookup branch (lookup-only rounds and the gate would price rounds of another cost)."""
+    target = make_target("llama")
+    drafter = make_drafter(target, tree_lookup=7)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8, 9, 10, 11, 5, 6, 7]])  # lookup finds matches here
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    with_lookup = target.generate(**inputs, assistant_model=drafter, max_new_tokens=24, do_sample=False,
+                                  tree_budget=4, return_dict_in_generate=True)
+    assert sum(r.lookup_accepted for r in with_lookup.rounds) > 0  # the drafter's default would use lookup
+
+    seen = []
+    original = type(target).generate
+
+    def spy(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        seen.append(out)
+        return out
+
+    monkeypatch.setattr(type(target), "generate", spy)
+    profile = budget.calibrate_acceptance(target, drafter, [inputs], budgets=(4,), max_new_tokens=24, progress=False)
+    (out,) = seen
+    assert sum(r.lookup_accepted for r in out.rounds) == 0
+    assert profile["4"] == pytest.approx(sum(len(r.committed) for r in out.rounds) / len(out.rounds))
