@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     table = Path(args.table).read_text() if args.table else None
     staging = DEFAULT_DRAFTER_DIR.with_name("default_drafter.staging")
     shutil.rmtree(staging, ignore_errors=True)
-    save_drafter(drafter, staging, acceptance_table=table)
+    save_drafter(drafter, staging, acceptance_table=table, dtype=torch.bfloat16)  # whatever the source stored
     for extra in staging.glob("*.py"):
         extra.unlink()
     shutil.rmtree(staging / "custom_generate", ignore_errors=True)  # the package carries the decoding code
