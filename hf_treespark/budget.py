@@ -230,15 +230,20 @@ def fallback_budget(target, policy: TreePolicy) -> int:
 def gate_threshold(target, drafter, policy: TreePolicy) -> float:
     """The drafter gate's threshold for this device (`lookup.DrafterGate`): `(t_draft(N) + t_verify(N)) /
     t_verify(0) - 1`, the extra cost of a drafter round at the policy's budget (the smallest measured one
-    while "auto" is undecided) over a plain step, in plain steps. Never measures: without this device's
-    latency it is `FALLBACK_GATE`."""
+    while "auto" is undecided) over a plain step, in plain steps; 0 (the gate stays open) when the drafter's
+    calibrated acceptance profile gets more than that accepted at that budget. Never measures: without this
+    device's latency it is `FALLBACK_GATE`."""
     budgets = _budgets_for(policy)
     latency = round_latency(target, drafter, policy, budgets, measure=False)
     if latency is None:
         device = next(target.parameters()).device
         return FALLBACK_GATE["cpu" if device.type == "cpu" else "accelerator"]
     n = min(budgets) if policy.auto else min(budgets, key=lambda b: (abs(b - policy.budget), b))
-    return max(0.0, (latency["draft"][n] + latency["verify"][n]) / latency["verify"][0] - 1.0)
+    threshold = max(0.0, (latency["draft"][n] + latency["verify"][n]) / latency["verify"][0] - 1.0)
+    profile = getattr(drafter.config, "acceptance_profile", None)
+    if profile and profile_acceptance(profile, [n])[n] - 1.0 >= threshold:
+        return 0.0  # its calibrated rounds pay for themselves: draft every round (see lookup.py, "The drafter gate")
+    return threshold
 
 
 def profile_acceptance(profile: dict, budgets) -> dict[int, float]:

@@ -123,6 +123,15 @@ def test_the_gate_threshold_is_a_drafter_rounds_extra_cost_in_plain_steps(latenc
     # a drafter round cheaper than a plain step (a measurement artefact) never gives a negative threshold
     verify[2] = 0.05
     assert budget.gate_threshold(target, drafter, TreePolicy(budget=2)) == 0.0
+    verify[2] = 0.117
+    # a calibrated drafter whose rounds pay for themselves keeps the gate open; one whose rounds do not, does not
+    paying = make_drafter(target, acceptance_profile={"2": 1.40, "8": 1.70})  # gains 0.40 >= 0.37, 0.70 >= 0.63
+    assert budget.gate_threshold(target, paying, TreePolicy(budget=2)) == 0.0
+    assert budget.gate_threshold(target, paying, TreePolicy(budget=8)) == 0.0
+    assert budget.gate_threshold(target, paying, TreePolicy(budget=32, auto=True)) == 0.0
+    weak = make_drafter(target, acceptance_profile={"2": 1.30, "8": 1.50})  # gains 0.30 < 0.37, 0.50 < 0.63
+    assert math.isclose(budget.gate_threshold(target, weak, TreePolicy(budget=2)), 0.37)
+    assert math.isclose(budget.gate_threshold(target, weak, TreePolicy(budget=8)), 0.63)
 
 
 def test_calibrated_acceptance_prices_drafter_rounds_without_lookup(monkeypatch):
