@@ -231,8 +231,8 @@ def gate_threshold(target, drafter, policy: TreePolicy) -> float:
     """The drafter gate's threshold for this device (`lookup.DrafterGate`): `(t_draft(N) + t_verify(N)) /
     t_verify(0) - 1`, the extra cost of a drafter round at the policy's budget (the smallest measured one
     while "auto" is undecided) over a plain step, in plain steps; 0 (the gate stays open) when the drafter's
-    calibrated acceptance profile gets more than that accepted at that budget. Never measures: without this
-    device's latency it is `FALLBACK_GATE`."""
+    calibrated acceptance profile gets at least that many drafted tokens accepted at that budget. Never
+    measures: without this device's latency it is `FALLBACK_GATE`."""
     budgets = _budgets_for(policy)
     latency = round_latency(target, drafter, policy, budgets, measure=False)
     if latency is None:

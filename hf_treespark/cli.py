@@ -304,7 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     export = sub.add_parser("export", help="write the drafter of a training checkpoint to a drafter directory")
     export.add_argument("checkpoint", help="a checkpoint of a training run, OUTPUT_DIR/checkpoints/step-N")
     export.add_argument("--output", required=True, help="new directory for the drafter")
-    export.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+    from .training.export import EXPORT_DTYPES
+
+    export.add_argument("--dtype", choices=EXPORT_DTYPES, default="bfloat16",
                         help="precision of the saved weights (the shipped drafter is bfloat16)")
     export.set_defaults(func=cmd_export)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 PREFIX = "drafter."  # the drafter's weights inside the training objective's state dict
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+EXPORT_DTYPES = ("bfloat16", "float32")  # names `precision.resolve_dtype` reads
 
 
 def checkpoint_config(checkpoint: Path):
@@ -62,10 +62,11 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path, dtype: str = "
     """
     from ..hub import save_drafter
     from ..modeling import TreeSparkDrafter
+    from ..precision import resolve_dtype
 
     checkpoint, output = Path(checkpoint), Path(output)
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(EXPORT_DTYPES)}")
     if not checkpoint.is_dir():
         raise FileNotFoundError(f"{checkpoint}: no such checkpoint directory")
     if output.exists() and any(output.iterdir()):
@@ -73,7 +74,7 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path, dtype: str = "
     config = checkpoint_config(checkpoint)
     config.acceptance_profile = None
     weights = checkpoint_weights(checkpoint)
-    drafter = TreeSparkDrafter(config).to(torch.float32)  # shaped by the config, its draft vocabulary too
+    drafter = TreeSparkDrafter(config)  # float32, shaped by the config, its draft vocabulary too
     expected = drafter.state_dict()
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))
@@ -84,5 +85,5 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path, dtype: str = "
         raise ValueError(f"{checkpoint} does not hold the weights of its drafter config ({'; '.join(parts)}); "
                          "nothing was written")
     drafter.load_state_dict(weights, strict=True)
-    save_drafter(drafter.to(DTYPES[dtype]), output)
+    save_drafter(drafter.to(resolve_dtype(dtype)), output)
     return drafter
