@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -86,6 +87,8 @@ class MethodResult:
     speedup: float | None = None
     acceptance_length: float | None = None
     acceptance_by_depth: list[float] | None = None
+    prompt_acceptance: list[float] = field(default_factory=list)  # each prompt's own acceptance length
+    acceptance_sd: float | None = None  # standard deviation of `prompt_acceptance` (the prompt-to-prompt spread)
 
     def finish(self, plain_tps: float | None) -> None:
         self.tokens_per_second = self.new_tokens / self.seconds if self.seconds else None
@@ -96,6 +99,8 @@ class MethodResult:
             self.acceptance_length = self.committed_after_prefill / verify_forwards
         if self.rounds:
             self.acceptance_by_depth = [n / self.rounds for n in self.rounds_reaching_depth]
+        if len(self.prompt_acceptance) >= 2:
+            self.acceptance_sd = statistics.stdev(self.prompt_acceptance)
 
 
 def select_prompts(suite: str, count: int) -> list[str]:
@@ -201,6 +206,8 @@ def run_benchmark(target, tokenizer, drafters: dict, suites=SUITES, methods=tupl
                 row.seconds += seconds
                 row.target_forwards += counter.count
                 row.committed_after_prefill += new - 1
+                if method.name != "plain" and counter.count > 1:
+                    row.prompt_acceptance.append((new - 1) / (counter.count - 1))
                 if rounds is not None:
                     row.rounds += len(rounds)
                     row.lookup_accepted += sum(r.lookup_accepted for r in rounds)
@@ -240,11 +247,39 @@ def run_benchmark(target, tokenizer, drafters: dict, suites=SUITES, methods=tupl
         "results": [asdict(row) for rows in results.values() for row in rows.values()],
         "violations": violations,
     }
+    report["paired_differences"] = paired_differences(report)
     if violations:
         err = BenchmarkError("outputs differ from plain greedy decoding:\n  " + "\n  ".join(violations))
         err.report = report
         raise err
     return report
+
+
+# (method, baseline) pairs whose per-prompt acceptance lengths are compared in the report
+PAIRS = (("dspark_tree", "dspark"), ("treespark", "dspark_tree"), ("treespark", "treespark_chain"),
+         ("treespark_lookup", "treespark"))
+
+
+def paired_differences(report: dict) -> list[dict]:
+    """For every pair in `PAIRS` run on a suite: the ratio of acceptance lengths, and the mean, standard
+    deviation and standard error of the per-prompt differences (the same prompts, so the prompt-to-prompt
+    spread that both methods share cancels)."""
+    by_key = {(r["suite"], r["method"]): r for r in report["results"]}
+    pairs = []
+    for suite in dict.fromkeys(r["suite"] for r in report["results"]):
+        for method, baseline in PAIRS:
+            a, b = by_key.get((suite, method)), by_key.get((suite, baseline))
+            if not a or not b or not a.get("prompt_acceptance") or not b["acceptance_length"]:
+                continue
+            if len(a["prompt_acceptance"]) != len(b.get("prompt_acceptance", [])):
+                continue
+            diffs = [x - y for x, y in zip(a["prompt_acceptance"], b["prompt_acceptance"], strict=True)]
+            sd = statistics.stdev(diffs) if len(diffs) >= 2 else None
+            pairs.append({"suite": suite, "method": method, "label": a["label"], "baseline": baseline,
+                          "baseline_label": b["label"], "ratio": a["acceptance_length"] / b["acceptance_length"],
+                          "mean": statistics.fmean(diffs), "sd": sd,
+                          "se": sd / len(diffs) ** 0.5 if sd is not None else None})
+    return pairs
 
 
 def _fmt(value, spec: str = ".2f") -> str:
@@ -261,15 +296,25 @@ def markdown_table(report: dict) -> str:
         f"{cfg['tree_budget']} (requested {cfg['requested_budget']}); torch {cfg['torch']}, "
         f"transformers {cfg['transformers']}.",
         "",
-        "| suite | method | acceptance length | tokens/s | speedup vs plain | exact | new tokens from lookup |",
-        "|---|---|---|---|---|---|---|",
+        "| suite | method | acceptance length | tokens/s | speedup vs plain | exact | new tokens from lookup "
+        "| SD over prompts |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in report["results"]:
         from_lookup = (f"{100 * row.get('lookup_accepted', 0) / row['new_tokens']:.1f}%"
                        if row["method"] == "treespark_lookup" and row["new_tokens"] else "–")
         lines.append(f"| {SUITE_LABELS[row['suite']]} | {row['label']} | {_fmt(row['acceptance_length'])} | "
                      f"{_fmt(row['tokens_per_second'], '.1f')} | {_fmt(row['speedup'])}x | "
-                     f"{row['exact']}/{row['prompts']} | {from_lookup} |")
+                     f"{row['exact']}/{row['prompts']} | {from_lookup} | {_fmt(row.get('acceptance_sd'))} |")
+    pairs = paired_differences(report)
+    if pairs:
+        lines += ["", "Paired per-prompt differences in acceptance length (same prompts; SE = SD / sqrt(n)):", "",
+                  "| suite | method | baseline | ratio | mean difference | SD of differences | SE |",
+                  "|---|---|---|---|---|---|---|"]
+        for pair in pairs:
+            lines.append(f"| {SUITE_LABELS[pair['suite']]} | {pair['label']} | {pair['baseline_label']} | "
+                         f"{pair['ratio']:.2f}x | {pair['mean']:+.3f} | {_fmt(pair['sd'], '.3f')} | "
+                         f"{_fmt(pair['se'], '.3f')} |")
     depth_rows = [r for r in report["results"] if r["acceptance_by_depth"]]
     if depth_rows:
         depth = max(len(r["acceptance_by_depth"]) for r in depth_rows)

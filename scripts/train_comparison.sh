@@ -1,17 +1,29 @@
 #!/usr/bin/env bash
-# Issue 5's comparison: the three presets on the same data (the first 520 of the shared regenerated
-# ShareGPT responses, one epoch), the same steps and the same hyper-parameters, one after the other.
-# Resumable: run it again after an interruption. Then calibrate, ship and benchmark:
-#   .venv/bin/treespark calibrate --drafter runs/cmp-treespark/final --num-prompts 4 --max-new-tokens 64 --budgets 2,4,8,16,32
-#   .venv/bin/python scripts/ship_drafter.py runs/cmp-treespark/final
-#   .venv/bin/treespark bench --num-prompts 5 --max-new-tokens 64 --output-dir docs/bench \
-#       --drafter dspark=runs/cmp-dspark/final --drafter dspark_tree=runs/cmp-dspark_tree/final
+# Issue 11's comparison: the three presets trained from scratch on the same data (both shared
+# regenerated ShareGPT files, in the same order: same --seed), for the same number of steps and anchors
+# (64 anchors per step, 4 updates per batch of 2 responses), with the same hyper-parameters and the same
+# draft vocabulary (16,384 ids); each run evaluates the same development set every 400 steps. The presets
+# differ only in what the paper compares: `dspark` (DSpark losses, head dim 128, chain decoding),
+# `dspark_tree` (DSpark losses, the TreeSpark shape), `treespark` (plus the replayed survival and coverage
+# losses). One run at a time; resumable: run it again after an interruption (a finished run is skipped).
+# Then benchmark the three side by side (per-prompt spread in results.json):
+#   .venv/bin/treespark bench --num-prompts 20 --methods plain,dspark,dspark_tree,treespark \
+#       --drafter dspark=runs/cmp-dspark/final --drafter dspark_tree=runs/cmp-dspark_tree/final \
+#       --drafter treespark=runs/cmp-treespark/final --output-dir runs/cmp-bench
 set -euo pipefail
 cd "$(dirname "$0")/.."
+STEPS=${STEPS:-1600}
+DEV=${DEV:-runs/s9/dev_references.jsonl}
 for preset in treespark dspark_tree dspark; do
-  .venv/bin/python examples/train_drafter.py --target default \
-    --data ../shared/data/sharegpt_smollm2_regen.jsonl --preset "$preset" \
-    --output-dir "runs/cmp-$preset" --batch-size 2 --anchors 32 --max-length 512 \
-    --max-sequences 520 --max-steps 260 --lr 2e-3 --save-every 20 --loss '{"ce": 1.0}' \
-    --feature-cache runs/feature_cache_520
+  out="runs/cmp-$preset"
+  if [ -f "$out/final/config.json" ]; then echo "$out: done"; continue; fi
+  mkdir -p "$out"
+  dev_args=()
+  if [ -f "$DEV" ]; then dev_args=(--dev-data "$DEV"); fi
+  .venv/bin/treespark train --target default \
+    --data ../shared/data/sharegpt_smollm2_regen.jsonl ../shared/data/sharegpt_smollm2_regen_part2.jsonl \
+    --preset "$preset" --draft-vocab-size 16384 --anchors 32 --updates-per-batch 4 \
+    --loss '{"ce": 1.0, "replay_anchors": 8}' --no-feature-cache --batch-size 2 --lr 2e-3 --seed 11 \
+    --max-steps "$STEPS" --save-every 200 --eval-every 400 "${dev_args[@]}" \
+    --output-dir "$out" >> "$out/train.log" 2>&1
 done

@@ -33,6 +33,9 @@ def test_smoke_run_covers_every_suite_and_method_and_checks_exactness(tmp_path):
             assert row["target_forwards"] == row["new_tokens"]  # one forward per token
             continue
         assert row["acceptance_length"] >= 1.0
+        # one prompt: its own acceptance length is the row's, and there is no spread yet
+        assert row["prompt_acceptance"] == [pytest.approx(row["acceptance_length"])]
+        assert row["acceptance_sd"] is None
         if bench.METHODS[method].drafter is not None:
             # one target forward per round after the prefill, and the by-depth rates are monotone
             assert row["target_forwards"] - row["prompts"] == row["rounds"]
@@ -40,9 +43,33 @@ def test_smoke_run_covers_every_suite_and_method_and_checks_exactness(tmp_path):
             assert all(a >= b for a, b in zip(rates, rates[1:], strict=False))
     table = (out / "results.md").read_text()
     assert "| suite | method | acceptance length | tokens/s | speedup vs plain | exact |" in table
+    # every pair of bench.PAIRS ran on every suite, so each appears in the paired table
+    assert len(report["paired_differences"]) == len(bench.PAIRS) * len(bench.SUITES)
+    assert "Paired per-prompt differences" in table
     assert table.count("| HumanEval |") >= len(bench.METHODS)
     for name in ("acceptance_length.png", "acceptance_by_depth.png"):
         assert (out / name).read_bytes()[:8] == PNG_MAGIC
+
+
+def test_paired_differences_cancel_the_spread_the_methods_share():
+    def row(method, per_prompt):
+        return {"suite": "mtbench", "method": method, "label": bench.METHODS[method].label,
+                "prompt_acceptance": per_prompt,
+                "acceptance_length": sum(per_prompt) / len(per_prompt) if per_prompt else None}
+
+    # prompts differ a lot (1.2 ... 3.0), the tree gains 0.2 on every prompt but one (0.4)
+    chain = [1.2, 2.0, 3.0, 1.5]
+    tree = [1.4, 2.2, 3.2, 1.9]
+    report = {"results": [row("dspark", chain), row("dspark_tree", tree), row("plain", [])]}
+    (pair,) = bench.paired_differences(report)
+    assert (pair["method"], pair["baseline"]) == ("dspark_tree", "dspark")
+    assert pair["mean"] == pytest.approx(0.25)
+    assert pair["sd"] == pytest.approx(0.1)  # stdev of [0.2, 0.2, 0.2, 0.4]
+    assert pair["se"] == pytest.approx(0.05)
+    assert pair["ratio"] == pytest.approx(sum(tree) / sum(chain))
+    # a baseline measured on other prompts (another count) is not paired
+    report["results"][0]["prompt_acceptance"] = chain[:3]
+    assert bench.paired_differences(report) == []
 
 
 def test_a_wrong_output_fails_the_run_after_writing_the_results(tmp_path, monkeypatch):

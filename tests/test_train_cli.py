@@ -57,6 +57,12 @@ def test_max_steps_below_one_is_refused_before_any_work(tiny_files, tmp_path, ca
     assert "--max-steps must be at least 1" in capsys.readouterr().err
 
 
+def test_regenerate_only_without_a_mixture_is_refused_before_any_work(tiny_files, tmp_path, capsys):
+    assert train(tiny_files, tmp_path / "run", "--regenerate-only") == 2
+    assert "--regenerate-only needs --regenerate" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
 def test_train_command_trains_and_saves_the_drafter(tiny_files, tmp_path, capsys):
     assert cli.main(["train", "--target", str(tiny_files[0]), "--data", str(tiny_files[1]),
                      "--output-dir", str(tmp_path), "--max-steps", "2", "--batch-size", "4", *TINY]) == 0

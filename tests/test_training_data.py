@@ -28,6 +28,7 @@ from hf_treespark.training.data import (
     parse_mixture_spec,
     regenerate_responses,
     sharegpt_chat_prompts,
+    sharegpt_later_turn_prompts,
 )
 
 SHARED_REGEN = Path(__file__).resolve().parents[2] / "shared" / "data" / "sharegpt_smollm2_regen.jsonl"
@@ -410,7 +411,7 @@ def test_regeneration_says_why_a_prompt_got_no_reference(tiny_target, tokenizer,
     source = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "What is 2+2?"},
                                                       {"prompt": "Summarise: " + "lorem ipsum dolor sit amet " * 90}])
     args = types.SimpleNamespace(regenerate=f"{source}:1", num_prompts=2, seed=0, regen_batch_size=2,
-                                 regen_max_new_tokens=MAX_NEW)
+                                 regen_max_new_tokens=MAX_NEW, regen_max_prompt_tokens=384)
     accelerator = types.SimpleNamespace(is_main_process=True, device=torch.device("cpu"),
                                         wait_for_everyone=lambda: None)
     with caplog.at_level(logging.WARNING):
@@ -419,6 +420,28 @@ def test_regeneration_says_why_a_prompt_got_no_reference(tiny_target, tokenizer,
     assert "skipping 1 of 2 prompts: longer than max_prompt_tokens=384 tokens" in caplog.text
     assert (f"[regenerate] 1 of 2 prompts answered in {out} (the warnings above say why the others are missing)"
             in capsys.readouterr().out)
+    # --regen-max-prompt-tokens raises the cap: the same run, resumed, now answers the long prompt too
+    args.regen_max_prompt_tokens = 1024
+    out = train_cli.regenerate(args, tiny_target, tokenizer, accelerator, tmp_path)
+    assert len(read_records(out)) == 2
+    assert "[regenerate] 2 of 2 prompts answered" in capsys.readouterr().out
+
+
+def test_sharegpt_later_turns_carry_their_history_and_stay_below_the_held_out_boundary():
+    prompts = sharegpt_later_turn_prompts(limit=300)
+    assert len(prompts) == 300 and len({p.id for p in prompts}) == 300
+    records = dict(assets.iter_sharegpt())
+    for p in prompts:
+        rid_at_position, turn = p.id.rsplit("#", 1)
+        position = int(rid_at_position.rsplit("@", 1)[1])
+        assert position < assets.SHAREGPT_HELDOUT_POSITION
+        assert p.source == "sharegpt_turns" and int(turn) >= 2 and len(p.messages) == int(turn) + 1
+        assert [m["role"] for m in p.messages] == ["user", "assistant"] * (len(p.messages) // 2) + ["user"]
+        # the history is the record's own turns, up to and including this human turn
+        assert [m["content"] for m in p.messages] == [t["value"] for t in records[position]["conversations"]][
+            : len(p.messages)]
+        assert len(p.text) >= 16
+    assert parse_mixture_spec("sharegpt_turns:1")[0].kind == "sharegpt_turns"
 
 
 def test_load_references_says_how_many_sequences_it_dropped_and_why(tmp_path, caplog):

@@ -8,6 +8,11 @@
     treespark train --target default --regenerate "sharegpt:0.7,my_code.jsonl:0.3" \\
         --num-prompts 2000 --output-dir runs/treespark
 
+    # only regenerate (resumable; train on OUTPUT_DIR/references.jsonl later with --data), e.g. ShareGPT's
+    # later turns with their history
+    treespark train --target default --regenerate "sharegpt_turns:1" --num-prompts 16665 \
+        --regen-max-prompt-tokens 512 --regenerate-only --output-dir runs/regen_turns
+
     # several GPUs or machines
     accelerate launch examples/train_drafter.py --target Qwen/Qwen3-4B --data refs.jsonl --output-dir runs/q4b
 
@@ -40,6 +45,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=1000, help="prompts to regenerate responses for")
     p.add_argument("--regen-batch-size", type=int, default=32, help="prompts per regeneration batch")
     p.add_argument("--regen-max-new-tokens", type=int, default=256, help="length cap of a regenerated response")
+    p.add_argument("--regen-max-prompt-tokens", type=int, default=384,
+                   help="skip prompts longer than this after the chat template (later ShareGPT turns carry their "
+                        "history)")
+    p.add_argument("--regenerate-only", action="store_true",
+                   help="stop after regenerating (resumable): the file is OUTPUT_DIR/references.jsonl, for --data")
     p.add_argument("--output-dir", required=True, help="checkpoints, metrics, feature cache and final/ drafter")
     p.add_argument("--preset", choices=sorted(PRESETS), default="treespark", help="losses and drafter shape")
     p.add_argument("--init-from", help="start from this drafter instead of a fresh one")
@@ -118,9 +128,11 @@ def check_arguments(args: argparse.Namespace) -> None:
     if unknown:
         raise ValueError(f"--loss: unknown key(s) {', '.join(unknown)}; the keys are {', '.join(LOSS_KEYS)}")
     LossConfig(**args.loss)  # refuses values that cannot work
-    at_least_one = ("num_prompts", "regen_batch_size", "regen_max_new_tokens", "draft_layers", "heads", "kv_heads",
-                    "intermediate_size", "markov_rank", "max_length", "batch_size", "grad_accum", "anchors",
-                    "updates_per_batch", "save_every", "eval_budget")
+    at_least_one = ("num_prompts", "regen_batch_size", "regen_max_new_tokens", "regen_max_prompt_tokens",
+                    "draft_layers", "heads", "kv_heads", "intermediate_size", "markov_rank", "max_length",
+                    "batch_size", "grad_accum", "anchors", "updates_per_batch", "save_every", "eval_budget")
+    if args.regenerate_only and not args.regenerate:
+        raise ValueError("--regenerate-only needs --regenerate: the prompt mixture to answer")
     if args.eval_every < 0:
         raise ValueError(f"--eval-every must be >= 0 (got {args.eval_every}); 0 turns the learning curve off")
     if args.dev_data and not Path(args.dev_data).is_file():
@@ -235,7 +247,8 @@ def regenerate(args: argparse.Namespace, target, tokenizer, accelerator, out: Pa
     if accelerator.is_main_process:
         prompts = mix_prompts(parse_mixture(args.regenerate), args.num_prompts, seed=args.seed)
         regenerate_responses(target.to(accelerator.device), tokenizer, prompts, regen,
-                             batch_size=args.regen_batch_size, max_new_tokens=args.regen_max_new_tokens)
+                             batch_size=args.regen_batch_size, max_new_tokens=args.regen_max_new_tokens,
+                             max_prompt_tokens=args.regen_max_prompt_tokens)
         answered = _answered(regen, {p.id for p in prompts})
         note = "" if answered == len(prompts) else " (the warnings above say why the others are missing)"
         print(f"[regenerate] {answered} of {len(prompts)} prompts answered in {regen}{note}")
@@ -276,7 +289,7 @@ def run(args: argparse.Namespace) -> int:
                          loss=LossConfig(**args.loss))
     # First, before anything else touches accelerate's state: under torchrun this joins the process group.
     accelerator = build_accelerator(config)
-    needs_dev_set = args.eval_every > 0 and not args.dev_data
+    needs_dev_set = args.eval_every > 0 and not args.dev_data and not args.regenerate_only
     target, tokenizer = load_target(args.target, with_tokenizer=bool(args.regenerate) or needs_dev_set)
     if args.draft_vocab_size and args.draft_vocab_size > target.config.vocab_size:
         raise ValueError(f"--draft-vocab-size {args.draft_vocab_size} exceeds the target's vocabulary of "
@@ -284,6 +297,8 @@ def run(args: argparse.Namespace) -> int:
     data = [Path(p) for p in args.data]
     if args.regenerate:
         data.append(regenerate(args, target, tokenizer, accelerator, out))
+        if args.regenerate_only:
+            return 0
     references = load_references(data, max_length=args.max_length, limit=args.max_sequences,
                                  vocab_size=target.config.vocab_size)
     if not references:

@@ -119,6 +119,37 @@ def sharegpt_chat_prompts(split: str = "train", limit: int | None = None, min_ch
             for rid, position, text in sharegpt_first_turns(split, limit, min_chars)]
 
 
+def sharegpt_later_turn_prompts(limit: int | None = None, min_chars: int = 16) -> list[Prompt]:
+    """ShareGPT V3's second and later human turns, each with the conversation before it, from the training
+    records only (file positions < 12,000; the held-out records are never read): more training prompts than
+    the first turns alone, with ShareGPT's own assistant replies as the history.
+
+    A prompt is the conversation up to and including one human turn of at least `min_chars` characters; its
+    id is `"{record id}@{position}#{turn index}"` (the index in the record's `conversations`). Records whose
+    turns do not alternate human / assistant from a human first turn, or that name an unknown speaker, are
+    skipped whole (their later turns would answer something other than what the history shows).
+    """
+    from .. import assets
+
+    prompts: list[Prompt] = []
+    for position, record in assets.iter_sharegpt():
+        if position >= assets.SHAREGPT_HELDOUT_POSITION or (limit is not None and len(prompts) >= limit):
+            break
+        turns = record.get("conversations") or []
+        roles = [_SHAREGPT_ROLES.get(str(t.get("from", "")).lower()) if isinstance(t, dict) else None
+                 for t in turns]
+        if not roles or any(r != ("user" if i % 2 == 0 else "assistant") for i, r in enumerate(roles)):
+            continue
+        messages = [{"role": role, "content": str(t.get("value", ""))} for role, t in zip(roles, turns, strict=True)]
+        for index in range(2, len(messages), 2):
+            if len(messages[index]["content"]) >= min_chars:
+                prompts.append(Prompt(id=f"{record.get('id')}@{position}#{index}", messages=messages[:index + 1],
+                                      source="sharegpt_turns"))
+                if limit is not None and len(prompts) >= limit:
+                    break
+    return prompts
+
+
 def jsonl_prompts(path: str | Path, limit: int | None = None) -> list[Prompt]:
     """Prompts from a JSONL file; each line has `messages`, `conversations` or `prompt` (see `_record_to_messages`).
 
@@ -252,7 +283,7 @@ def mix_prompts(sources: list[tuple[list[Prompt], float]], total: int, seed: int
 
 @dataclass
 class MixtureEntry:
-    """One `SOURCE:WEIGHT` item of a mixture spec. `kind` is "sharegpt", "hf" or "jsonl"."""
+    """One `SOURCE:WEIGHT` item of a mixture spec. `kind` is "sharegpt", "sharegpt_turns", "hf" or "jsonl"."""
 
     kind: str
     name: str
@@ -261,6 +292,8 @@ class MixtureEntry:
     def load(self, limit: int | None = None) -> list[Prompt]:
         if self.kind == "sharegpt":
             return sharegpt_chat_prompts("train", limit=limit)
+        if self.kind == "sharegpt_turns":
+            return sharegpt_later_turn_prompts(limit=limit)
         if self.kind == "hf":
             return hf_dataset_prompts(self.name, limit=limit)
         return jsonl_prompts(self.name, limit=limit)
@@ -269,7 +302,8 @@ class MixtureEntry:
 def parse_mixture_spec(spec: str) -> list[MixtureEntry]:
     """Parse `"sharegpt:0.6,hf:org/name:0.2,path/to/code.jsonl:0.2"` without loading anything.
 
-    `sharegpt` is the ShareGPT train split, `hf:<name>` a `datasets` dataset, anything else a JSONL path (which
+    `sharegpt` is the ShareGPT train split's first turns, `sharegpt_turns` its later turns with their history
+    (`sharegpt_later_turn_prompts`), `hf:<name>` a `datasets` dataset, anything else a JSONL path (which
     must exist). Every item needs a weight (`:W`, finite, >= 0); at least one weight must be positive.
     """
     entries: list[MixtureEntry] = []
@@ -285,8 +319,8 @@ def parse_mixture_spec(spec: str) -> list[MixtureEntry]:
             raise ValueError(f"mixture item {item!r}: weight {weight_text!r} is not a number") from None
         if not math.isfinite(weight) or weight < 0:
             raise ValueError(f"mixture item {item!r}: weight must be finite and >= 0, got {weight_text!r}")
-        if source == "sharegpt":
-            entries.append(MixtureEntry("sharegpt", "sharegpt", weight))
+        if source in ("sharegpt", "sharegpt_turns"):
+            entries.append(MixtureEntry(source, source, weight))
         elif source.startswith("hf:"):
             if not source[3:]:
                 raise ValueError(f"mixture item {item!r}: 'hf:' needs a dataset name")
