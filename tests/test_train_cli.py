@@ -376,3 +376,43 @@ def test_export_writes_the_checkpoints_drafter_and_refuses_a_damaged_one(tiny_fi
     (checkpoint / "model.safetensors").write_bytes(b"not safetensors")
     assert cli.main(["export", str(checkpoint), "--output", str(tmp_path / "bad")]) == 2
     assert "cannot be read" in capsys.readouterr().err and not (tmp_path / "bad").exists()
+
+
+def test_draft_layers_above_an_init_from_drafter_grow_it_without_changing_its_drafts(tiny_files, tmp_path, capsys):
+    from hf_treespark.engine import target_features
+    from hf_treespark.modeling import TreeSparkDrafter
+
+    assert train(tiny_files, tmp_path / "one", "--max-steps", "2") == 0
+    small = TreeSparkDrafter.from_pretrained(tmp_path / "one" / "final")
+    assert small.config.num_hidden_layers == 1
+    # the grown drafter drafts what the trained one drafts, before any step
+    target = make_target("llama")
+    grown = TreeSparkDrafter.from_pretrained(tmp_path / "one" / "final")
+    train_cli.grow_layers(grown, 3)
+    assert grown.config.num_hidden_layers == 3 and len(grown.layers) == 3
+    for layer in grown.layers[1:]:
+        assert torch.count_nonzero(layer.self_attn.o_proj.weight) == 0
+        assert torch.count_nonzero(layer.mlp.down_proj.weight) == 0
+        assert torch.count_nonzero(layer.self_attn.q_proj.weight) > 0
+    ids = torch.randint(4, 100, (1, 12))
+    feats, _ = target_features(target, small.config.target_layer_ids, ids, torch.ones_like(ids))
+    kwargs = dict(anchor_ids=ids[:, 10:11], anchor_positions=torch.tensor([[10]]), target_features=feats[:, :10],
+                  context_positions=torch.arange(10)[None])
+    with torch.no_grad():
+        assert torch.equal(small.bind_target(target)(**kwargs).depth_logits,
+                           grown.bind_target(target)(**kwargs).depth_logits)
+    # through the CLI: trains the new layers, saves and loads as a 3-layer drafter
+    assert train(tiny_files, tmp_path / "three", "--init-from", str(tmp_path / "one" / "final"),
+                 "--draft-layers", "3", "--max-steps", "2") == 0
+    trained = TreeSparkDrafter.from_pretrained(tmp_path / "three" / "final")
+    assert trained.config.num_hidden_layers == 3
+    assert torch.count_nonzero(trained.layers[2].self_attn.o_proj.weight) > 0
+    # resuming that run without --draft-layers is refused, naming the difference
+    capsys.readouterr()
+    assert train(tiny_files, tmp_path / "three", "--init-from", str(tmp_path / "one" / "final"),
+                 "--max-steps", "3") == 2
+    assert "num_hidden_layers 3 there, 1 here" in capsys.readouterr().err
+    # a drafter cannot shrink
+    assert train(tiny_files, tmp_path / "shrink", "--init-from", str(tmp_path / "three" / "final"),
+                 "--draft-layers", "2", "--max-steps", "1") == 2
+    assert "a drafter can grow, not shrink" in capsys.readouterr().err

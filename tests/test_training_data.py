@@ -451,3 +451,42 @@ def test_load_references_says_how_many_sequences_it_dropped_and_why(tmp_path, ca
     with caplog.at_level(logging.WARNING):
         assert len(load_references(path, max_length=8)) == 1
     assert "refs.jsonl: 2 sequence(s) dropped: fewer than 2 response tokens within max_length=8" in caplog.text
+
+
+def test_load_references_reads_gzip_compressed_files_and_refuses_a_cut_short_one(tmp_path):
+    import gzip
+
+    records = [{"id": f"r{i}", "prompt_ids": [1, 2, i], "response_ids": list(range(10, 15 + i))} for i in range(40)]
+    plain = write_jsonl(tmp_path / "refs.jsonl", records)
+    packed = tmp_path / "refs.jsonl.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    assert load_references([packed]) == load_references([plain])
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(packed.read_bytes()[: packed.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"cut\.jsonl\.gz: not a complete gzip file"):
+        load_references([cut])
+
+
+def test_sharegpt_later_turns_skip_records_that_do_not_alternate_or_name_an_unknown_speaker(monkeypatch):
+    def turn(speaker, text):
+        return {"from": speaker, "value": text}
+
+    records = [
+        (0, {"id": "ok", "conversations": [turn("human", "first question here"), turn("gpt", "an answer"),
+                                           turn("human", "a follow-up question"), turn("gpt", "another")]}),
+        (1, {"id": "two_humans", "conversations": [turn("human", "first question here"),
+                                                   turn("human", "a follow-up question")]}),
+        (2, {"id": "robot", "conversations": [turn("human", "first question here"), turn("robot", "beep"),
+                                              turn("human", "a follow-up question")]}),
+        (3, {"id": "gpt_first", "conversations": [turn("gpt", "hello"), turn("human", "first question here"),
+                                                  turn("gpt", "an answer")]}),
+        (4, {"id": "short", "conversations": [turn("human", "first question here"), turn("gpt", "an answer"),
+                                              turn("human", "ok")]}),
+        (assets.SHAREGPT_HELDOUT_POSITION, {"id": "held_out", "conversations": [
+            turn("human", "first question here"), turn("gpt", "an answer"), turn("human", "a follow-up question")]}),
+    ]
+    monkeypatch.setattr(assets, "iter_sharegpt", lambda: iter(records))
+    prompts = sharegpt_later_turn_prompts()
+    assert [p.id for p in prompts] == ["ok@0#2"]
+    assert [m["content"] for m in prompts[0].messages] == ["first question here", "an answer", "a follow-up question"]
+    assert sharegpt_later_turn_prompts(limit=1) == prompts

@@ -40,7 +40,8 @@ DEFAULT_MASK_TOKEN_ID = 16  # SmolLM2: a code-corpus marker chat text never prod
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The training options, shared by `treespark train` and `examples/train_drafter.py`."""
     p.add_argument("--target", default="default", help="'default' (offline SmolLM2-135M-Instruct) or a name/path")
-    p.add_argument("--data", nargs="*", default=[], help="reference JSONL files (prompt_ids, response_ids)")
+    p.add_argument("--data", nargs="*", default=[],
+                   help="reference JSONL files (prompt_ids, response_ids; .jsonl.gz read as well)")
     p.add_argument("--regenerate", help="prompt mixture to regenerate responses for, e.g. 'sharegpt:1.0'")
     p.add_argument("--num-prompts", type=int, default=1000, help="prompts to regenerate responses for")
     p.add_argument("--regen-batch-size", type=int, default=32, help="prompts per regeneration batch")
@@ -53,7 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-dir", required=True, help="checkpoints, metrics, feature cache and final/ drafter")
     p.add_argument("--preset", choices=sorted(PRESETS), default="treespark", help="losses and drafter shape")
     p.add_argument("--init-from", help="start from this drafter instead of a fresh one")
-    p.add_argument("--draft-layers", type=int, default=2, help="drafter transformer layers")
+    p.add_argument("--draft-layers", type=int, default=None,
+                   help="drafter transformer layers (default 2); with --init-from, more than the drafter has adds "
+                        "layers that start as the identity (see grow_layers)")
     p.add_argument("--heads", type=int, default=4, help="drafter attention heads")
     p.add_argument("--kv-heads", type=int, default=2, help="drafter key/value heads")
     p.add_argument("--head-dim", type=int, help="override the preset's head dim")
@@ -129,7 +132,7 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--loss: unknown key(s) {', '.join(unknown)}; the keys are {', '.join(LOSS_KEYS)}")
     LossConfig(**args.loss)  # refuses values that cannot work
     at_least_one = ("num_prompts", "regen_batch_size", "regen_max_new_tokens", "regen_max_prompt_tokens",
-                    "draft_layers", "heads", "kv_heads", "intermediate_size", "markov_rank", "max_length",
+                    "heads", "kv_heads", "intermediate_size", "markov_rank", "max_length",
                     "batch_size", "grad_accum", "anchors", "updates_per_batch", "save_every", "eval_budget")
     if args.regenerate_only and not args.regenerate:
         raise ValueError("--regenerate-only needs --regenerate: the prompt mixture to answer")
@@ -150,7 +153,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.draft_vocab_size is not None and args.draft_vocab_size < 0:
         raise ValueError(f"--draft-vocab-size must be >= 0 (got {args.draft_vocab_size}); 0 trains over the whole "
                          "vocabulary")
-    for name in ("head_dim", "max_sequences"):
+    for name in ("head_dim", "max_sequences", "draft_layers"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1 (got {value})")
@@ -194,11 +197,19 @@ def build_drafter(args: argparse.Namespace, target):
     from ..modeling import TreeSparkDrafter
 
     if args.init_from:
-        return TreeSparkDrafter.from_pretrained(args.init_from, dtype=torch.float32)
+        drafter = TreeSparkDrafter.from_pretrained(args.init_from, dtype=torch.float32)
+        if args.draft_layers is not None and args.draft_layers != drafter.config.num_hidden_layers:
+            if args.draft_layers < drafter.config.num_hidden_layers:
+                raise ValueError(f"--draft-layers {args.draft_layers}: --init-from {args.init_from} has "
+                                 f"{drafter.config.num_hidden_layers} layers; a drafter can grow, not shrink (leave "
+                                 "--draft-layers out to keep its shape)")
+            torch.manual_seed(args.seed)
+            grow_layers(drafter, args.draft_layers)
+        return drafter
     mask = args.mask_token_id
     if mask is None and args.target == "default":
         mask = DEFAULT_MASK_TOKEN_ID
-    fields = dict(num_hidden_layers=args.draft_layers, num_attention_heads=args.heads,
+    fields = dict(num_hidden_layers=args.draft_layers or 2, num_attention_heads=args.heads,
                   num_key_value_heads=args.kv_heads, intermediate_size=args.intermediate_size,
                   markov_rank=args.markov_rank, mask_token_id=mask, anchor_features=args.anchor_features,
                   normalize_features=args.normalize_features)
@@ -209,6 +220,31 @@ def build_drafter(args: argparse.Namespace, target):
         fields["target_name_or_path"] = assets.DEFAULT_TARGET_NAME
     torch.manual_seed(args.seed)
     return TreeSparkDrafter(TreeSparkConfig.for_target(target, **fields))
+
+
+def grow_layers(drafter, num_layers: int) -> None:
+    """Append transformer layers to `drafter` (in place) until it has `num_layers`, each starting as the identity.
+
+    A new layer is initialised as a fresh one, then its attention's `o_proj` and its MLP's `down_proj` are zeroed:
+    both of its residual branches add nothing, so the grown drafter drafts exactly what it did before, and
+    training starts from the trained drafter's quality with more capacity (the zeroed projections get gradients
+    at once; the layer's other weights follow as they move away from zero). The config's `num_hidden_layers`
+    follows, so the grown drafter saves and loads as any other.
+    """
+    import torch
+
+    from ..modeling import TreeSparkDecoderLayer
+
+    config = drafter.config
+    reference = next(drafter.parameters())
+    for index in range(config.num_hidden_layers, num_layers):
+        layer = TreeSparkDecoderLayer(config, index)
+        layer.apply(drafter._init_weights)
+        with torch.no_grad():
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        drafter.layers.append(layer.to(device=reference.device, dtype=reference.dtype))
+    config.num_hidden_layers = len(drafter.layers)
 
 
 def set_draft_vocabulary(drafter, size: int | None, references):

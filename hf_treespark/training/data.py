@@ -13,11 +13,13 @@ Three steps (SPEC section 4):
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import math
 import os
 import random
+import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,21 +135,28 @@ def sharegpt_later_turn_prompts(limit: int | None = None, min_chars: int = 16) -
 
     prompts: list[Prompt] = []
     for position, record in assets.iter_sharegpt():
-        if position >= assets.SHAREGPT_HELDOUT_POSITION or (limit is not None and len(prompts) >= limit):
+        if position >= assets.SHAREGPT_HELDOUT_POSITION:
             break
-        turns = record.get("conversations") or []
-        roles = [_SHAREGPT_ROLES.get(str(t.get("from", "")).lower()) if isinstance(t, dict) else None
-                 for t in turns]
-        if not roles or any(r != ("user" if i % 2 == 0 else "assistant") for i, r in enumerate(roles)):
-            continue
-        messages = [{"role": role, "content": str(t.get("value", ""))} for role, t in zip(roles, turns, strict=True)]
-        for index in range(2, len(messages), 2):
+        messages = _alternating_messages(record.get("conversations") or [])
+        for index in range(2, len(messages or []), 2):
             if len(messages[index]["content"]) >= min_chars:
                 prompts.append(Prompt(id=f"{record.get('id')}@{position}#{index}", messages=messages[:index + 1],
                                       source="sharegpt_turns"))
                 if limit is not None and len(prompts) >= limit:
-                    break
+                    return prompts
     return prompts
+
+
+def _alternating_messages(turns: list) -> list[dict[str, str]] | None:
+    """A ShareGPT record's turns as messages, or None where they do not alternate human / assistant from a human
+    first turn or name an unknown speaker (a bulk scan skips such a record; `_sharegpt_turns_to_messages` raises)."""
+    try:
+        messages = _sharegpt_turns_to_messages(turns)
+    except ValueError:
+        return None
+    if not messages or any(m["role"] != ("user" if i % 2 == 0 else "assistant") for i, m in enumerate(messages)):
+        return None
+    return messages
 
 
 def jsonl_prompts(path: str | Path, limit: int | None = None) -> list[Prompt]:
@@ -169,23 +178,29 @@ def jsonl_prompts(path: str | Path, limit: int | None = None) -> list[Prompt]:
 
 
 def _json_records(path: Path, parse) -> Iterator[tuple[int, tuple[dict, object]]]:
-    """`(line number, (record, parse(record)))` for each non-empty line of a JSONL file.
+    """`(line number, (record, parse(record)))` for each non-empty line of a JSONL file (gzip-compressed when its
+    name ends in `.gz`).
 
     A line that is not a JSON object, or that `parse` rejects with `ValueError`, raises
     `ValueError` naming the file and line.
     """
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                if not isinstance(record, dict):
-                    raise ValueError(f"expected a JSON object, got {type(record).__name__}")
-                parsed = parse(record)
-            except ValueError as e:  # json.JSONDecodeError is a ValueError
-                raise ValueError(f"{path}:{line_no}: {e}") from None
-            yield line_no, (record, parsed)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        line_no = 0
+        try:
+            for line_no, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                    if not isinstance(record, dict):
+                        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+                    parsed = parse(record)
+                except ValueError as e:  # json.JSONDecodeError is a ValueError
+                    raise ValueError(f"{path}:{line_no}: {e}") from None
+                yield line_no, (record, parsed)
+        except (EOFError, gzip.BadGzipFile, zlib.error) as e:  # a damaged or cut-short .gz file
+            raise ValueError(f"{path}: not a complete gzip file after line {line_no} ({e}); copy it again") from None
 
 
 def _load_hf_dataset(name_or_path: str | Path, split: str):
@@ -511,7 +526,8 @@ def check_token_ids(references: list[ReferenceSequence], vocab_size: int) -> Non
 
 def load_references(paths: list[str | Path] | str | Path, max_length: int = 1024,
                     limit: int | None = None, vocab_size: int | None = None) -> list[ReferenceSequence]:
-    """Reference sequences from regeneration JSONL files: `prompt_ids + response_ids`, cut to `max_length`.
+    """Reference sequences from regeneration JSONL files (`.jsonl`, or `.jsonl.gz` compressed): `prompt_ids +
+    response_ids`, cut to `max_length`.
 
     A sequence whose response keeps fewer than 2 tokens after the cut is dropped (nothing to anchor on); a
     warning says how many each file lost and why. Raises `ValueError` naming the file and line of a line that is
