@@ -490,3 +490,14 @@ def test_sharegpt_later_turns_skip_records_that_do_not_alternate_or_name_an_unkn
     assert [p.id for p in prompts] == ["ok@0#2"]
     assert [m["content"] for m in prompts[0].messages] == ["first question here", "an answer", "a follow-up question"]
     assert sharegpt_later_turn_prompts(limit=1) == prompts
+
+
+def test_the_committed_later_turn_data_loads_and_holds_training_records_only():
+    path = Path(__file__).resolve().parents[1] / "data" / "sharegpt_turns_smollm2_regen.jsonl.gz"
+    refs = load_references([path], max_length=1024)
+    assert len(refs) == 2843
+    for ref in refs:
+        rid_at_position, turn = ref.id.rsplit("#", 1)
+        assert int(rid_at_position.rsplit("@", 1)[1]) < assets.SHAREGPT_HELDOUT_POSITION and int(turn) >= 2
+        assert ref.input_ids[: ref.prompt_len][-4:] == [1, 520, 9531, 198]  # "<|im_start|>assistant\n"
+        assert ref.prompt_len <= 384 and len(ref.input_ids) - ref.prompt_len <= 256
