@@ -493,7 +493,7 @@ def test_sharegpt_later_turns_skip_records_that_do_not_alternate_or_name_an_unkn
 
 
 def test_the_committed_later_turn_data_loads_and_holds_training_records_only():
-    path = Path(__file__).resolve().parents[1] / "data" / "sharegpt_turns_smollm2_regen.jsonl.gz"
+    path = Path(__file__).resolve().parents[1] / "training_data" / "sharegpt_turns_smollm2_regen.jsonl.gz"
     refs = load_references([path], max_length=1024)
     assert len(refs) == 2843
     for ref in refs:
