@@ -34,6 +34,7 @@ from .trainer import PRESETS
 LOSS_KEYS = ("ce", "l1", "conf", "surv", "cov", "gamma", "coverage_top_j", "coverage_margin", "coverage_cap",
              "replay_anchors")  # the fields of objective.LossConfig (kept in step by a test)
 
+DRAFT_LAYERS = 2  # a fresh drafter's transformer layers when --draft-layers is not given
 DEFAULT_MASK_TOKEN_ID = 16  # SmolLM2: a code-corpus marker chat text never produces (SPEC section 6)
 
 
@@ -55,8 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), default="treespark", help="losses and drafter shape")
     p.add_argument("--init-from", help="start from this drafter instead of a fresh one")
     p.add_argument("--draft-layers", type=int, default=None,
-                   help="drafter transformer layers (default 2); with --init-from, more than the drafter has adds "
-                        "layers that start as the identity (see grow_layers)")
+                   help=f"drafter transformer layers (default {DRAFT_LAYERS}); with --init-from, more than the "
+                        "drafter has adds layers that start as the identity (see grow_layers)")
     p.add_argument("--heads", type=int, default=4, help="drafter attention heads")
     p.add_argument("--kv-heads", type=int, default=2, help="drafter key/value heads")
     p.add_argument("--head-dim", type=int, help="override the preset's head dim")
@@ -209,7 +210,7 @@ def build_drafter(args: argparse.Namespace, target):
     mask = args.mask_token_id
     if mask is None and args.target == "default":
         mask = DEFAULT_MASK_TOKEN_ID
-    fields = dict(num_hidden_layers=args.draft_layers or 2, num_attention_heads=args.heads,
+    fields = dict(num_hidden_layers=args.draft_layers or DRAFT_LAYERS, num_attention_heads=args.heads,
                   num_key_value_heads=args.kv_heads, intermediate_size=args.intermediate_size,
                   markov_rank=args.markov_rank, mask_token_id=mask, anchor_features=args.anchor_features,
                   normalize_features=args.normalize_features)
