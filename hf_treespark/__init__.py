@@ -13,8 +13,7 @@ from .cpu_gemm import pack_linear_layers, unpack_linear_layers
 from .generation import RoundRecord, TreeSparkCandidateGenerator, TreeSparkGenerateOutput
 from .modeling import TreeSparkDrafter
 from .tree import DraftTree, TreePolicy, build_tree
-
-__version__ = "0.1.0"
+from .version import __version__  # noqa: F401  (hf_treespark.__version__)
 
 AutoConfig.register("treespark", TreeSparkConfig, exist_ok=True)
 AutoModel.register(TreeSparkConfig, TreeSparkDrafter, exist_ok=True)

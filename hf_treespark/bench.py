@@ -29,8 +29,9 @@ from pathlib import Path
 
 import torch
 
-from .cpu_gemm import CPU_PACK_CHOICES, CPU_PACK_HELP, cpu_pack_option, model_is_packed
-from .precision import DTYPE_CHOICES, resolve_dtype
+from .cpu_gemm import model_is_packed
+from .help_format import CPU_PACK_CHOICES, CPU_PACK_HELP, DTYPE_CHOICES, cpu_pack_option
+from .precision import resolve_dtype
 
 SUITES = ("mtbench", "humaneval", "sharegpt")
 SUITE_LABELS = {"mtbench": "MT-Bench", "humaneval": "HumanEval", "sharegpt": "ShareGPT (held-out)"}

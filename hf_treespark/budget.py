@@ -26,17 +26,22 @@ import json
 import math
 import os
 import platform
-import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # not on Windows: writes there are still atomic, but not merged under a lock
+    fcntl = None
 
 import torch
 from transformers import DynamicCache
 
 from .cpu_gemm import model_is_packed
 from .engine import draft_pool, feature_indices
-from .storage import cache_dir
+from .storage import cache_dir, unwritable_reason
 from .tree import TreePolicy, pack_tree
 from .verify import cache_kwarg
 
@@ -44,6 +49,11 @@ CANDIDATE_BUDGETS = (2, 4, 8, 16, 32, 64)
 LATENCY_FILE = "round_latency.json"
 FALLBACK_BUDGET = {"cpu": 4, "accelerator": 32}  # "auto" before this device's latency was measured
 FALLBACK_GATE = {"cpu": 0.35, "accelerator": 0.1}  # the drafter gate's threshold, likewise
+LATENCY_REPEATS = 5  # timed passes over every budget; each time is the minimum over them
+SHAPE_TOLERANCE = 0.25  # a larger budget may time this much (relative) below a smaller one: noise
+SHAPE_FLOOR_S = 0.0005  # ... or this much (absolute, seconds): tiny models' timings are all overhead
+DRAFT_SPREAD = 4.0  # the drafter's pass may differ this much across budgets (its tree expands deeper)
+BUSY_CORES = 0.3  # other processes' CPU use during a measurement, in cores, beyond which it is not stored
 
 
 def is_auto(budget) -> bool:
@@ -88,31 +98,68 @@ def latency_key(target, drafter, policy: TreePolicy, context: int) -> str:
     ])
 
 
-def _timed(fn, device: torch.device, repeats: int) -> float:
-    """Median wall time of `fn()` after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+class LatencyCacheWarning(UserWarning):
+    """The latency cache could not be read, written or trusted; decoding goes on with the defaults."""
+
+
+_warned: set = set()
+
+
+def _warn_once(message: str, about=None) -> None:
+    """One warning per process for each thing it is `about` (by default, per message)."""
+    about = message if about is None else about
+    if about not in _warned:
+        _warned.add(about)
+        warnings.warn(message, LatencyCacheWarning, stacklevel=3)
+
+
+class _OthersLoad:
+    """CPU time other processes used while the block ran, in cores (Linux `/proc/stat`; None elsewhere).
+
+    A latency table measured while something else computes is not this machine's: a busy core slows
+    small forwards and big ones differently (thread synchronisation), so the table's shape changes.
+    """
+
+    def __enter__(self):
+        self.start = (_busy_cpu_seconds(), time.process_time(), time.perf_counter())
+        return self
+
+    def __exit__(self, *exc):
+        busy, own, wall = _busy_cpu_seconds(), time.process_time(), time.perf_counter()
+        if busy is None or self.start[0] is None or wall <= self.start[2]:
+            self.cores = None
+        else:
+            others = (busy - self.start[0]) - (own - self.start[1])
+            self.cores = max(0.0, others / (wall - self.start[2]))
+        return False
+
+
+def _busy_cpu_seconds() -> float | None:
+    """Seconds all CPUs spent busy since boot (user, nice, system, irq, softirq and steal)."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+        ticks = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if fields[:1] != ["cpu"] or len(fields) < 9:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
+    return (user + nice + system + irq + softirq + steal) / ticks
 
 
 @torch.no_grad()
 def measure_round_latency(target, drafter, policy: TreePolicy, budgets=CANDIDATE_BUDGETS, context: int = 256,
-                          repeats: int = 3) -> dict:
-    """Seconds per round part for each budget: `{"verify": {N: s}, "draft": {N: s}}`; `verify[0]` is a
-    plain step (one token).
+                          repeats: int = LATENCY_REPEATS) -> dict:
+    """Seconds per round part for each budget: `{"verify": {N: s}, "draft": {N: s}, "others_load": cores}`;
+    `verify[0]` is a plain step (one token).
 
     Verify: one target forward of `N + 1` tokens with a 4D float mask over a `context`-token
     cache (the mask's content does not change the cost, so a causal one is used). Draft: one
     drafter pass over a few new context features plus `build_tree` at budget `N`, every depth
     expanded (no early stop: an upper bound of the tree's cost).
+    Robust to bursts of load: after one warm-up pass, `repeats` passes each time every forward once, the
+    budgets in a rotated order (a burst slows all of them alike), and each time is the minimum over passes.
+    `others_load`: the CPU cores other processes kept busy meanwhile (None where it cannot be read).
     """
     device = next(target.parameters()).device
     dtype = next(target.parameters()).dtype
@@ -125,19 +172,17 @@ def measure_round_latency(target, drafter, policy: TreePolicy, budgets=CANDIDATE
     hidden_ids = feature_indices(drafter.config.target_layer_ids)
     width = len(hidden_ids) * drafter.config.target_hidden_size
 
-    verify = {}
+    verify_inputs = {}
     for n in (0, *budgets):
-        tokens = torch.randint(0, vocab, (1, n + 1), generator=generator).to(device)
-        positions = torch.arange(context, context + n + 1, device=device)[None]
         allowed = torch.ones(n + 1, context + n + 1, dtype=torch.bool, device=device).tril(context)
         mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+        verify_inputs[n] = {"input_ids": torch.randint(0, vocab, (1, n + 1), generator=generator).to(device),
+                            "position_ids": torch.arange(context, context + n + 1, device=device)[None],
+                            "attention_mask": mask[None, None]}
 
-        def verify_once(tokens=tokens, positions=positions, mask=mask):
-            target(input_ids=tokens, position_ids=positions, attention_mask=mask[None, None],
-                   use_cache=True, output_hidden_states=hidden_ids, **{cache_kw: cache})
-            cache.crop(-tokens.shape[1])
-
-        verify[n] = _timed(verify_once, device, repeats)
+    def verify_once(n: int) -> None:
+        target(**verify_inputs[n], use_cache=True, output_hidden_states=hidden_ids, **{cache_kw: cache})
+        cache.crop(-(n + 1))
 
     drafter.bind_target(target)
     drafter_cache = drafter.new_context_cache()
@@ -145,50 +190,212 @@ def measure_round_latency(target, drafter, policy: TreePolicy, budgets=CANDIDATE
     anchor = prefix[:, -1]
     draft_pool(drafter, policy.with_budget(1), anchor, context, features, drafter_cache)
     step = torch.randn(1, 2, width, generator=generator).to(device=device, dtype=dtype)
-    draft = {}
-    for n in budgets:
+
+    def draft_once(n: int) -> None:
         pool_policy = policy.with_budget(n)
+        pool = draft_pool(drafter, pool_policy, anchor, context, step, drafter_cache)
+        drafter_cache.crop(context)
+        pack_tree(pool, anchor, pool_policy.budget, pool_policy.depth)
 
-        def draft_once(pool_policy=pool_policy):
-            pool = draft_pool(drafter, pool_policy, anchor, context, step, drafter_cache)
-            drafter_cache.crop(context)
-            pack_tree(pool, anchor, pool_policy.budget, pool_policy.depth)
+    jobs = [("verify", n, verify_once) for n in (0, *budgets)] + [("draft", n, draft_once) for n in budgets]
+    best = {job[:2]: math.inf for job in jobs}
+    with _OthersLoad() as load:
+        for attempt in range(repeats + 1):  # pass 0 warms up and is not timed
+            shift = attempt % len(jobs)
+            for part, n, run in jobs[shift:] + jobs[:shift]:
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                start = time.perf_counter()
+                run(n)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                if attempt:
+                    best[part, n] = min(best[part, n], time.perf_counter() - start)
+    return {"verify": {n: best["verify", n] for n in (0, *budgets)},
+            "draft": {n: best["draft", n] for n in budgets},
+            "others_load": load.cores}
 
-        draft[n] = _timed(draft_once, device, repeats)
-    return {"verify": verify, "draft": draft}
+
+def latency_problem(latency, budgets) -> str | None:
+    """What makes a latency table unusable or implausible, or None when it can be trusted.
+
+    Usable: `verify` has a plain step (`0`) and every budget, `draft` every budget, each a finite number of
+    seconds in (0, 60). Plausible: a wider verify forward never costs less than a narrower one, and the
+    drafter's pass never less at a larger budget (it expands at least as deep), beyond `SHAPE_TOLERANCE`
+    (relative) or `SHAPE_FLOOR_S` (absolute) of noise; the drafter's pass differs across budgets by at most
+    `DRAFT_SPREAD`x (it is one pass; only the tree's expansion grows).
+    """
+    if not isinstance(latency, dict):
+        return f"an entry is a {type(latency).__name__}, not a table"
+    parts = {}
+    for part, needed in (("verify", (0, *budgets)), ("draft", tuple(budgets))):
+        raw = latency.get(part)
+        if not isinstance(raw, dict):
+            return f"{part!r} is missing or not a table"
+        values = {}
+        for n, seconds in raw.items():
+            try:
+                n = int(n)
+            except (TypeError, ValueError):
+                return f"{part} has the budget {n!r}, not a number"
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < 60:
+                return f"{part}[{n}] = {seconds!r} is not a time in seconds"
+            values[n] = float(seconds)
+        missing = [n for n in needed if n not in values]
+        if missing:
+            return f"{part} lacks the budgets {missing}"
+        parts[part] = [values[n] for n in sorted(needed)]
+    for part, times in parts.items():
+        for n, (small, large) in zip(sorted(budgets), zip(times, times[1:], strict=False), strict=False):
+            if large < small * (1 - SHAPE_TOLERANCE) - SHAPE_FLOOR_S:
+                return (f"{part} time falls from {small * 1e3:.1f} ms to {large * 1e3:.1f} ms at a larger budget "
+                        f"(around N={n}): not this machine's steady cost")
+    draft = parts["draft"]
+    if max(draft) > DRAFT_SPREAD * min(draft) + SHAPE_FLOOR_S:
+        return (f"the drafter's pass takes {min(draft) * 1e3:.1f} to {max(draft) * 1e3:.1f} ms across budgets "
+                f"(more than {DRAFT_SPREAD:g}x apart): not this machine's steady cost")
+    return None
+
+
+def _parse_entry(entry: dict, budgets) -> dict:
+    return {part: {int(n): float(s) for n, s in entry[part].items() if int(n) in (0, *budgets)}
+            for part in ("verify", "draft")}
+
+
+def _read_cache(path: Path) -> dict:
+    """The cache file's table of entries; `{}` (with one warning naming the file) when it is damaged."""
+    try:
+        if not path.exists():
+            return {}
+        if path.is_dir():
+            _warn_once(_unkept(f"{path} is a directory"), about=("location", str(path)))
+            return {}
+        table = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        _warn_once(f"hf_treespark: ignoring the latency cache {path}: {_reason(err)}. tree_budget='auto' uses "
+                   "its default until it is measured again (`treespark calibrate --force`; set "
+                   "HF_TREESPARK_CACHE to keep the cache elsewhere).")
+        return {}
+    if not isinstance(table, dict):
+        _warn_once(f"hf_treespark: ignoring the latency cache {path}: it holds a {type(table).__name__}, not "
+                   "a table of measurements. `treespark calibrate --force` measures again.")
+        return {}
+    return table
+
+
+def _unkept(problem: str) -> str:
+    return (f"hf_treespark: cannot keep measured round latencies ({problem}); what is measured holds for this "
+            "process only. Set HF_TREESPARK_CACHE to a writable directory to keep them.")
+
+
+def _reason(err: Exception) -> str:
+    if isinstance(err, UnicodeDecodeError):
+        return "it is not UTF-8 text"
+    if isinstance(err, json.JSONDecodeError):
+        return f"it is not JSON ({err.msg}, line {err.lineno})"
+    return getattr(err, "strerror", None) or str(err)
+
+
+def _cache_location_problem(path: Path) -> str | None:
+    """Why measurements cannot be stored at `path`, or None: checked before measuring anything."""
+    if path.is_dir():
+        return f"{path} is a directory"
+    return unwritable_reason(path.parent)
+
+
+def _store(path: Path, key: str, entry: dict) -> str | None:
+    """Add one entry to the cache file: under a lock, merged with what other processes wrote meanwhile, and
+    replaced atomically. Returns why it could not be stored, or None."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_name(path.name + ".lock"), "a") as lock:
+            if fcntl is not None:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            table = _read_cache(path)
+            table[key] = entry
+            tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+            tmp.write_text(json.dumps(table, indent=1))
+            tmp.replace(path)
+    except OSError as err:
+        return f"{path}: {err.strerror or err}"
+    return None
+
+
+_in_memory: dict[tuple[str, str], dict] = {}  # measured in this process where the cache could not keep it
+_untrusted: set[tuple[str, str]] = set()  # measured in this process twice, and not trusted either time
 
 
 def round_latency(target, drafter, policy: TreePolicy, budgets=CANDIDATE_BUDGETS, context: int = 256,
                   refresh: bool = False, measure: bool = True) -> dict | None:
-    """`measure_round_latency`, read from / written to the on-disk cache.
+    """`measure_round_latency`, read from / written to the on-disk cache (`{"verify": .., "draft": ..}`).
 
-    `measure=False` only reads: None when this device, dtype and model shape were never measured.
+    `measure=False` only reads: None when this device, dtype and model shape were never measured, or when the
+    cached entry is unusable or implausible (`latency_problem`; one warning names the file and what is
+    wrong). Never raises because of the cache. Measuring: a table that fails `latency_problem`, or that was
+    measured while other processes kept more than `BUSY_CORES` cores busy, is measured once more; if that
+    one fails too nothing is stored, a warning says why, and None is returned ("auto" uses its default).
+    A cache location that cannot be written (read-only, a directory, ...) is found before measuring: the
+    table is then kept for this process only, with one warning naming `HF_TREESPARK_CACHE`.
     """
     path = cache_dir() / LATENCY_FILE  # beside the converted default target
     key = latency_key(target, drafter, policy, context)
-    table = {}
-    if path.is_file():
-        try:
-            table = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            table = {}  # a damaged cache is re-measured, never trusted
-    entry = table.get(key) if isinstance(table, dict) else None
-    if not refresh and isinstance(entry, dict) and all(str(n) in entry.get("verify", {}) for n in (0, *budgets)):
-        return {part: {int(n): s for n, s in entry[part].items()} for part in ("verify", "draft")}
+    if not refresh:
+        cached = _lookup(path, key, budgets)
+        if cached is not None or not measure or (str(path), key) in _untrusted:
+            return cached
     if not measure:
         return None
-    measured = measure_round_latency(target, drafter, policy, budgets, context)
-    table = table if isinstance(table, dict) else {}
-    table[key] = {part: {str(n): s for n, s in measured[part].items()} for part in ("verify", "draft")}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(table, indent=1))
-    tmp.replace(path)
-    return measured
+    location_problem = _cache_location_problem(path)
+    if location_problem is not None:
+        _warn_once(_unkept(location_problem), about=("location", str(path)))
+    problem = None
+    for _ in range(2):
+        measured = measure_round_latency(target, drafter, policy, budgets, context)
+        problem = latency_problem(measured, budgets)
+        load = measured.get("others_load")
+        if problem is None and load is not None and load > BUSY_CORES:
+            problem = f"other processes kept {load:.1f} CPU cores busy while it was measured"
+        if problem is None:
+            break
+    if problem is not None:
+        _untrusted.add((str(path), key))
+        _warn_once(f"hf_treespark: the round latency measured on this machine is not stored ({problem}). "
+                   f"tree_budget='auto' uses its default ({fallback_budget(target, policy)}) until "
+                   "`treespark calibrate --force` measures it on a quiet machine.")
+        return None
+    _untrusted.discard((str(path), key))
+    latency = {part: measured[part] for part in ("verify", "draft")}
+    entry = {part: {str(n): s for n, s in latency[part].items()} for part in ("verify", "draft")}
+    entry["measured"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    entry["others_load"] = measured.get("others_load")
+    _in_memory[str(path), key] = latency
+    if location_problem is None:
+        store_problem = _store(path, key, entry)
+        if store_problem is not None:
+            _warn_once(_unkept(store_problem), about=("location", str(path)))
+    return latency
 
 
-def calibrate_latency(target, drafter, policy: TreePolicy | None = None, refresh: bool = False) -> dict:
-    """Measure (once; cached) what a round costs on this device for every candidate budget."""
+def _lookup(path: Path, key: str, budgets) -> dict | None:
+    """The cached latency for `key`: this process's measurement, else the file's entry if it can be trusted."""
+    if (str(path), key) in _in_memory:
+        latency = _in_memory[str(path), key]
+        if latency_problem(latency, budgets) is None:
+            return _parse_entry(latency, budgets)
+    entry = _read_cache(path).get(key)
+    if entry is None:
+        return None
+    problem = latency_problem(entry, budgets)
+    if problem is not None:
+        _warn_once(f"hf_treespark: ignoring an entry of the latency cache {path} ({problem}); tree_budget='auto' "
+                   "uses its default until `treespark calibrate --force` measures it again.", about=(path, key))
+        return None
+    return _parse_entry(entry, budgets)
+
+
+def calibrate_latency(target, drafter, policy: TreePolicy | None = None, refresh: bool = False) -> dict | None:
+    """Measure (once; cached) what a round costs on this device for every candidate budget; None when the
+    measurement could not be trusted (see `round_latency`)."""
     policy = policy or TreePolicy.from_config(drafter.config)
     return round_latency(target, drafter, policy, _budgets_for(policy), refresh=refresh)
 
@@ -196,10 +403,12 @@ def calibrate_latency(target, drafter, policy: TreePolicy | None = None, refresh
 def ensure_latency(target, drafter, quiet: bool = False) -> None:
     """First use on a machine (the CLI, the benchmark, the demo): measure what a round costs here, once, so
     that `tree_budget="auto"` and the drafter gate decide from this device's numbers. Prints what it does
-    unless `quiet`."""
+    unless `quiet`. Measures at most once per process, whatever comes of it."""
     policy = TreePolicy.from_config(drafter.config)
     if not (policy.auto or policy.lookup) or has_latency(target, drafter, policy):
         return
+    if (str(cache_dir() / LATENCY_FILE), latency_key(target, drafter, policy, 256)) in _untrusted:
+        return  # measured in this process already, and not trusted: "auto" keeps its default
     if not quiet:
         print("[treespark] first use on this machine: measuring what a round costs for each tree budget "
               f"(once; cached in {cache_dir() / LATENCY_FILE})...", file=sys.stderr, flush=True)
@@ -209,10 +418,28 @@ def ensure_latency(target, drafter, quiet: bool = False) -> None:
         print(f"[treespark] measured in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
 
 
+
 def has_latency(target, drafter, policy: TreePolicy | None = None) -> bool:
-    """Whether this device's round latency is cached for this target, drafter and policy."""
+    """Whether this device's round latency is cached (and trusted) for this target, drafter and policy."""
     policy = policy or TreePolicy.from_config(drafter.config)
     return round_latency(target, drafter, policy, _budgets_for(policy), measure=False) is not None
+
+
+def describe_latency(latency: dict, acceptance: dict[int, float] | None = None) -> str:
+    """The latency table as text: per budget the verify and draft milliseconds, the round in plain steps and,
+    given the acceptance per budget, the expected tokens per second (the best one marked)."""
+    step = latency["verify"][0]
+    rate = choose_budget(acceptance, latency)[1] if acceptance else {}
+    best = max(rate, key=lambda n: (rate[n], -n)) if rate else None
+    lines = [f"plain step {step * 1e3:.1f} ms",
+             "budget  verify ms  draft ms  round/plain step" + ("  acceptance  tokens/s" if rate else "")]
+    for n in sorted(latency["draft"]):
+        row = (f"{n:>6}  {latency['verify'][n] * 1e3:>9.1f}  {latency['draft'][n] * 1e3:>8.1f}  "
+               f"{(latency['verify'][n] + latency['draft'][n]) / step:>16.2f}")
+        if n in rate:
+            row += f"  {acceptance[n]:>10.2f}  {rate[n]:>8.1f}" + ("  <- auto" if n == best else "")
+        lines.append(row)
+    return "\n".join(lines)
 
 
 def _budgets_for(policy: TreePolicy, budgets=CANDIDATE_BUDGETS) -> tuple[int, ...]:
@@ -230,16 +457,18 @@ def fallback_budget(target, policy: TreePolicy) -> int:
 def gate_threshold(target, drafter, policy: TreePolicy) -> float:
     """The drafter gate's threshold for this device (`lookup.DrafterGate`): `(t_draft(N) + t_verify(N)) /
     t_verify(0) - 1`, the extra cost of a drafter round at the policy's budget (the smallest measured one
-    while "auto" is undecided) over a plain step, in plain steps; 0 (the gate stays open) when the drafter's
-    calibrated acceptance profile gets at least that many drafted tokens accepted at that budget. Never
-    measures: without this device's latency it is `FALLBACK_GATE`."""
+    while "auto" is undecided) over a plain step, in plain steps; without this device's (trusted) latency,
+    `FALLBACK_GATE`. Either way 0 (the gate stays open) when the drafter's calibrated acceptance profile gets
+    at least that many drafted tokens accepted at that budget. Never measures."""
     budgets = _budgets_for(policy)
     latency = round_latency(target, drafter, policy, budgets, measure=False)
     if latency is None:
         device = next(target.parameters()).device
-        return FALLBACK_GATE["cpu" if device.type == "cpu" else "accelerator"]
-    n = min(budgets) if policy.auto else min(budgets, key=lambda b: (abs(b - policy.budget), b))
-    threshold = max(0.0, (latency["draft"][n] + latency["verify"][n]) / latency["verify"][0] - 1.0)
+        threshold = FALLBACK_GATE["cpu" if device.type == "cpu" else "accelerator"]
+        n = fallback_budget(target, policy) if policy.auto else policy.budget
+    else:
+        n = min(budgets) if policy.auto else min(budgets, key=lambda b: (abs(b - policy.budget), b))
+        threshold = max(0.0, (latency["draft"][n] + latency["verify"][n]) / latency["verify"][0] - 1.0)
     profile = getattr(drafter.config, "acceptance_profile", None)
     if profile and profile_acceptance(profile, [n])[n] - 1.0 >= threshold:
         return 0.0  # its calibrated rounds pay for themselves: draft every round (see lookup.py, "The drafter gate")

@@ -16,6 +16,7 @@ from .configuration import TreeSparkConfig
 from .default_target import DEFAULT_TARGET_CACHE_NAME, DEFAULT_TARGET_HUB_ID, DEFAULT_TARGET_NAME
 
 CARD_NAME = "README.md"
+REPO_PLACEHOLDER = "path/or/repo-id-of-this-drafter"  # the usage snippet's drafter, until a repo id is known
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 
 
@@ -33,18 +34,27 @@ def hub_target_id(name: str | None) -> str | None:
     return name
 
 
+def source_card(drafter) -> Path | None:
+    """The model card (`README.md`) of the local directory `drafter` was loaded from, if it has one: the card a
+    user wrote, or the one saved with the drafter (with the measured tables it was given)."""
+    source = getattr(getattr(drafter, "config", None), "_name_or_path", None)
+    card = Path(source) / CARD_NAME if source else None
+    return card if card is not None and card.is_file() else None
+
+
 def model_card(drafter, acceptance_table: str | None = None, repo_id: str | None = None) -> str:
     """A markdown model card for `drafter`: target pairing, architecture, tree policy, acceptance, usage.
 
     Args:
         drafter: the drafter (or anything with a `TreeSparkConfig` as `.config`).
-        acceptance_table: a markdown table of measured acceptance lengths, inserted verbatim. `None`
-            says that no measurement was recorded.
+        acceptance_table: a markdown table of measured acceptance lengths, inserted verbatim. The
+            drafter's own `config.acceptance_profile` (what `treespark calibrate` measured) is shown
+            too; with neither, the card says that no measurement was recorded.
         repo_id: the Hub id (or local path) the drafter will be loaded from, used in the usage snippet.
     """
     cfg: TreeSparkConfig = drafter.config
     target = hub_target_id(cfg.target_name_or_path)
-    repo = repo_id or "path/or/repo-id-of-this-drafter"
+    repo = repo_id or REPO_PLACEHOLDER
     target_ref = target or "the-target-model"
 
     front = ["---", "library_name: hf_treespark", f"license: {LICENSE}", f"pipeline_tag: {PIPELINE_TAG}", "tags:",
@@ -104,21 +114,31 @@ def model_card(drafter, acceptance_table: str | None = None, repo_id: str | None
         "## Tree policy defaults",
         "",
         "Each round drafts one block and grows a tree of depth up to `B` from it; the tree is verified in one "
-        "target forward. Every knob can be overridden per call (`tree_topk=`, `tree_frontier=`, `tree_budget=`).",
+        "target forward. Every knob can be overridden per call (`tree_topk=`, `tree_frontier=`, `tree_budget=`, "
+        "`tree_lookup=`).",
         "",
         "| | |",
         "|---|---|",
         f"| tree_topk (children per frontier parent) | {cfg.tree_topk} |",
         f"| tree_frontier (parents kept per depth) | {cfg.tree_frontier} |",
         f"| tree_budget (tree nodes verified per round) | {cfg.tree_budget} |",
+        f"| tree_lookup (tokens per lookup branch, 0 = off) | {cfg.tree_lookup} |",
         f"| max depth (block size) | {cfg.block_size} |",
+        f"| draft vocabulary | {_draft_vocabulary(cfg)} |",
         "",
         "## Measured acceptance",
         "",
     ]
-    if acceptance_table and acceptance_table.strip():
-        lines += [acceptance_table.strip()]
-    else:
+    table, profile = (acceptance_table or "").strip(), cfg.acceptance_profile or {}
+    if table:
+        lines += [table]
+    if profile:
+        lines += [""] if table else []
+        lines += ["Mean tokens committed per round at each tree budget (the config's `acceptance_profile`, measured "
+                  'by `treespark calibrate`; `tree_budget="auto"` reads it):', "",
+                  "| tree budget | acceptance length |", "|---|---|"]
+        lines += [f"| {n} | {tau:.2f} |" for n, tau in sorted(profile.items(), key=lambda item: int(item[0]))]
+    if not table and not profile:
         lines += ["No acceptance table was recorded for this drafter."]
     lines += [
         "",
@@ -131,9 +151,12 @@ def model_card(drafter, acceptance_table: str | None = None, repo_id: str | None
         f'target = AutoModelForCausalLM.from_pretrained("{target_ref}")',
         f'tokenizer = AutoTokenizer.from_pretrained("{target_ref}")',
         f'drafter = AutoModel.from_pretrained("{repo}")',
-        'inputs = tokenizer("Write a haiku about trees.", return_tensors="pt")',
+        "# an instruct target answers a chat: apply its chat template",
+        'messages = [{"role": "user", "content": "Write a haiku about trees."}]',
+        "inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True,",
+        '                                       return_tensors="pt")',
         "out = target.generate(**inputs, assistant_model=drafter, max_new_tokens=128)",
-        "print(tokenizer.decode(out[0], skip_special_tokens=True))",
+        'print(tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))',
         "```",
         "",
         "Without the package: the drafter code and the tree decoding loop also ship with this repository "
@@ -149,12 +172,20 @@ def model_card(drafter, acceptance_table: str | None = None, repo_id: str | None
     return "\n".join(lines)
 
 
+def _draft_vocabulary(cfg: TreeSparkConfig) -> str:
+    if cfg.draft_vocab_size is None:
+        return f"the whole target vocabulary ({cfg.target_vocab_size})"
+    return (f"{cfg.draft_vocab_size} of the target's {cfg.target_vocab_size} ids (`draft_vocab_ids`, stored with the "
+            "weights); verification uses the whole vocabulary")
+
+
 # ----- custom_generate/: tree decoding without the package ------------------------------------------
 CUSTOM_GENERATE_DIR = "custom_generate"
-# The package modules that `hub_generate.py` needs (it and they import only torch, transformers and each
-# other). Adjust when the decoding loop's modules change; a test checks the set is closed under imports.
-CUSTOM_GENERATE_MODULES = ("budget.py", "configuration.py", "engine.py", "generation.py", "integration.py", "lookup.py",
-                           "modeling.py", "storage.py", "tree.py", "verify.py", "cpu_gemm.py")
+# The package modules that `hub_generate.py` needs (it and they import only torch, transformers, numpy and
+# each other). Adjust when the decoding loop's modules change; a test checks the set is closed under imports.
+CUSTOM_GENERATE_MODULES = ("budget.py", "configuration.py", "datastore.py", "engine.py", "generation.py",
+                           "integration.py", "lookup.py", "modeling.py", "storage.py", "tree.py", "verify.py",
+                           "cpu_gemm.py")
 
 
 def write_custom_generate(save_directory: str | os.PathLike) -> Path:

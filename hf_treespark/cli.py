@@ -9,15 +9,17 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 
-from .budget import ensure_latency
-from .cpu_gemm import CPU_PACK_CHOICES, CPU_PACK_HELP, cpu_pack_option
-from .help_format import DefaultsHelpFormatter
-from .loading import load_pair
-from .precision import DTYPE_CHOICES, dtype_name
+# Only light modules here: parsing the command line (`--help`, `--version`) imports no torch or transformers.
+# Each command imports what it needs when it runs.
+from .help_format import CPU_PACK_CHOICES, CPU_PACK_HELP, DTYPE_CHOICES, DefaultsHelpFormatter, cpu_pack_option
+from .version import __version__
 
 
 def _load_pair(args):
+    from .loading import load_pair
+
     return load_pair(args.target, args.drafter, args.dtype, cpu_pack=cpu_pack_option(getattr(args, "cpu_pack", "auto")))
 
 
@@ -25,7 +27,9 @@ def cmd_generate(args) -> int:
     from transformers import TextStreamer
 
     from . import assets
+    from .budget import ensure_latency
     from .exactness import check_greedy_equivalence
+    from .precision import dtype_name
 
     target, tokenizer, drafter = _load_pair(args)
     if args.budget is None and not args.chain:
@@ -68,40 +72,95 @@ def cmd_bench(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    """Measure the drafter's acceptance length per tree budget and store it in its config."""
+    """Measure what a round costs on this machine (the latency cache) and, for a drafter directory, the
+    drafter's acceptance length per tree budget, stored in its config. Inputs and the directory's
+    writability are checked before anything is measured; a profile that would not load is never written."""
     import json
     from pathlib import Path
 
-    from . import assets
-    from .bench import select_prompts
-    from .budget import calibrate_acceptance
+    from . import budget
+    from .configuration import TreeSparkConfig
+    from .storage import unwritable_reason
+    from .tree import TreePolicy
 
-    config_path = Path(args.drafter) / "config.json"
-    if not config_path.is_file():
-        raise OSError(f"No TreeSpark drafter directory at {args.drafter!r} (config.json missing)")
-    target, tokenizer, drafter = _load_pair(args)
     try:
-        budgets = tuple(int(n) for n in args.budgets.split(","))
+        budgets = tuple(sorted({int(n) for n in args.budgets.split(",")}))
     except ValueError:
         raise ValueError(f"--budgets {args.budgets!r}: expected comma-separated integers, e.g. 2,4,8") from None
     if not budgets or min(budgets) < 1:
         raise ValueError(f"--budgets {args.budgets!r}: budgets must be positive integers")
-    if args.suite == "sharegpt":  # held-out records past those the benchmark draws from
+    config_path = Path(args.drafter) / "config.json" if args.drafter else None
+    if config_path is not None:
+        if not config_path.is_file():
+            raise OSError(f"No TreeSpark drafter directory at {args.drafter!r} (config.json missing)")
+        try:
+            config = json.loads(config_path.read_text(encoding="utf-8"))
+            drafter_config = TreeSparkConfig.from_dict(config)
+        except (UnicodeDecodeError, ValueError, TypeError) as err:
+            raise ValueError(f"{config_path} is not a valid drafter config ({err}): nothing was measured") from None
+        pool = TreePolicy.from_config(drafter_config, budget=1).with_budget(10**9).num_candidates
+        if max(budgets) > pool:
+            raise ValueError(f"--budgets {args.budgets!r}: the drafter's trees hold at most {pool} candidates "
+                             f"(tree_topk, tree_frontier, tree_depth), so budget {max(budgets)} is never used; "
+                             f"choose budgets up to {pool}")
+        problem = None if args.latency_only else unwritable_reason(config_path.parent)
+        if problem is not None:
+            raise OSError(f"cannot write the acceptance profile into {config_path.parent} ({problem}): copy the "
+                          "drafter to a writable directory and calibrate that")
+    target, tokenizer, drafter = _load_pair(args)
+    policy = TreePolicy.from_config(drafter.config)
+    _print_latency(budget.calibrate_latency(target, drafter, policy, refresh=args.force), target, drafter, policy)
+    if config_path is None or args.latency_only:
+        return 0
+    prompts = _calibration_prompts(args, tokenizer)
+    profile = budget.calibrate_acceptance(target, drafter, prompts, budgets, args.max_new_tokens)
+    config["acceptance_profile"] = profile
+    TreeSparkConfig.from_dict(config)  # raises, before writing, if the directory would no longer load
+    tmp = config_path.with_suffix(".json.tmp")  # a crash never leaves a half-written config
+    tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    tmp.replace(config_path)
+    print(f"[calibrate] acceptance length per budget on {len(prompts)} {args.suite} prompts: {profile}; "
+          f"written to {config_path}")
+    drafter.config.acceptance_profile = profile
+    if policy.auto:
+        _print_latency(budget.calibrate_latency(target, drafter, policy), target, drafter, policy)
+    return 0
+
+
+def _calibration_prompts(args, tokenizer) -> list[dict]:
+    """`--num-prompts` tokenised prompts of `--suite` within 512 tokens (ShareGPT: held-out records past those
+    the benchmark draws from)."""
+    from . import assets
+    from .bench import select_prompts
+
+    if args.suite == "sharegpt":
         texts = assets.sharegpt_prompts("heldout", limit=400)[200:]
     else:
         texts = select_prompts(args.suite, 4 * args.num_prompts)
     prompts = [inputs for inputs in (assets.chat_inputs(tokenizer, t) for t in texts)
                if inputs["input_ids"].shape[1] <= 512][: args.num_prompts]
-    ensure_latency(target, drafter)
-    profile = calibrate_acceptance(target, drafter, prompts, budgets, args.max_new_tokens)
-    config = json.loads(config_path.read_text())
-    config["acceptance_profile"] = profile
-    tmp = config_path.with_suffix(".json.tmp")  # a crash never leaves a half-written config
-    tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    tmp.replace(config_path)
-    print(f"[calibrate] acceptance length per budget on {args.num_prompts} {args.suite} prompts: {profile}; "
-          f"written to {config_path}")
-    return 0
+    if not prompts:
+        raise ValueError(f"--suite {args.suite!r} has no prompt within 512 tokens: nothing to calibrate on")
+    return prompts
+
+
+def _print_latency(latency, target, drafter, policy) -> None:
+    """`treespark calibrate`'s report: the latency table and the budget "auto" takes from it."""
+    from .budget import LATENCY_FILE, describe_latency, fallback_budget, profile_acceptance
+    from .storage import cache_dir
+
+    if latency is None:
+        print(f"[calibrate] no trusted round latency for this machine: tree_budget='auto' uses its default, "
+              f"{fallback_budget(target, policy)} (see the warning above; measure again on a quiet machine "
+              "with --force)")
+        return
+    profile = getattr(drafter.config, "acceptance_profile", None)
+    acceptance = profile_acceptance(profile, sorted(latency["draft"])) if profile else None
+    print(f"[calibrate] round latency on this machine ({cache_dir() / LATENCY_FILE}):\n"
+          + describe_latency(latency, acceptance))
+    if acceptance is None:
+        print("[calibrate] the drafter has no acceptance_profile yet: 'auto' will price budgets from its first "
+              "round's tree scores")
 
 
 def cmd_draft_vocab(args) -> int:
@@ -120,10 +179,16 @@ def cmd_draft_vocab(args) -> int:
     output = Path(args.output)
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise OSError(f"--output {str(output)!r} exists and is not an empty directory: choose a new one")
-    tokenizer = AutoTokenizer.from_pretrained(args.target or assets.default_target_path())
-    counts = count_token_ids(args.data, tokenizer)
+    for path in map(Path, args.data):
+        if not path.is_file():
+            raise OSError(f"--data {str(path)!r}: no such file")
     drafter = TreeSparkDrafter.from_pretrained(drafter_dir, dtype="auto")  # keep the stored precision
     current = None if drafter.draft_vocab_ids is None else drafter.draft_vocab_ids.tolist()
+    limit = drafter.config.target_vocab_size if current is None else len(current)
+    if not 0 < args.size <= limit:  # before reading the data
+        raise ValueError(f"--size {args.size} must lie in [1, {limit}] (the drafter's vocabulary)")
+    tokenizer = AutoTokenizer.from_pretrained(args.target or assets.default_target_path())
+    counts = count_token_ids(args.data, tokenizer, vocab_size=drafter.config.target_vocab_size)
     ids = rank_token_ids(counts, args.size, drafter.config.target_vocab_size, allowed=current)
     drafter.restrict_vocabulary(ids)
     drafter.save_pretrained(output)
@@ -132,11 +197,53 @@ def cmd_draft_vocab(args) -> int:
     return 0
 
 
+def cmd_datastore(args) -> int:
+    """Index the target's outputs in `--data` as `--output`/datastore.safetensors (`hf_treespark.datastore`)."""
+    import json
+    from pathlib import Path
+
+    from .datastore import DATASTORE_FILE, Datastore, sequences_from_references
+    from .storage import unwritable_reason
+
+    output = Path(args.output)
+    vocab_size = args.vocab_size
+    config_path = output / "config.json"
+    if vocab_size is None and config_path.is_file():
+        try:
+            vocab_size = int(json.loads(config_path.read_text(encoding="utf-8"))["target_vocab_size"])
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{config_path} is not a drafter config ({err!r}); give --vocab-size") from None
+    if vocab_size is None:
+        from .assets import DEFAULT_DRAFTER_DIR
+
+        vocab_size = int(json.loads((DEFAULT_DRAFTER_DIR / "config.json").read_text())["target_vocab_size"])
+    if output.exists() and not output.is_dir():
+        raise OSError(f"--output {str(output)!r} is a file, not a directory")
+    problem = unwritable_reason(output)
+    if problem is not None:
+        raise OSError(f"--output {str(output)!r} cannot be written ({problem})")
+    from .training.data import load_references
+
+    start = time.perf_counter()
+    references = load_references(args.data, max_length=1 << 30, vocab_size=vocab_size)
+    store = Datastore.build(sequences_from_references(references), vocab_size)
+    path = store.save(output)
+    built = time.perf_counter() - start
+    start = time.perf_counter()
+    Datastore.load(path, vocab_size)
+    print(f"[datastore] {len(references)} responses, {store.num_tokens:,} tokens indexed in {built:.1f} s; "
+          f"{path} is {path.stat().st_size / 1e6:.1f} MB and loads in {1000 * (time.perf_counter() - start):.0f} ms"
+          + ("" if config_path.is_file() else f" (copy {DATASTORE_FILE} into a drafter directory to use it)"))
+    return 0
+
+
 def cmd_demo(args) -> int:
     from .demo import build_app, import_gradio, launch
 
-    import_gradio()  # before loading models: say at once if the demo extra is missing
-    host, port = demo_address(args.host, args.port)  # and whether it can serve where asked
+    # Before loading models, say at once whether it can serve where asked (before gradio's import, which reads
+    # GRADIO_SERVER_PORT itself and fails on a bad one with a traceback), and whether the demo extra is there.
+    host, port = demo_address(args.host, args.port)
+    import_gradio()
     app = build_app(target_name=args.target, drafter_name=args.drafter, dtype=args.dtype)
     launch(app, host=host, port=port, share=args.share)
     return 0
@@ -211,12 +318,23 @@ def cmd_push(args) -> int:
         validate_repo_id(args.repo_id)
     except HFValidationError as err:
         raise ValueError(f"--repo-id {args.repo_id!r} is not a Hub repository id (ORG/NAME): {err}") from None
-    from .hub import push_drafter_to_hub
+    from .hub import CARD_NAME, push_drafter_to_hub
     from .modeling import TreeSparkDrafter
 
     drafter = TreeSparkDrafter.from_pretrained(args.drafter, dtype="auto")  # upload the dtype it was saved in
-    commit = push_drafter_to_hub(drafter, args.repo_id, private=args.private or None, token=args.token)
-    print(f"[push] {args.drafter} uploaded to {getattr(commit, 'commit_url', None) or args.repo_id}")
+    try:
+        commit = push_drafter_to_hub(drafter, args.repo_id, private=args.private or None, token=args.token)
+    except Exception as err:
+        from .training.push import hub_failure, push_command
+
+        if hub_failure(err) is None:
+            raise
+        raise RuntimeError(f"pushing {args.drafter} to the Hub repository {args.repo_id} failed ({hub_failure(err)}); "
+                           f"retry with: {push_command(args.drafter, args.repo_id)}") from err
+    card = (f"its own {CARD_NAME}" if (Path(args.drafter) / CARD_NAME).is_file()
+            else f"a {CARD_NAME} made from its config (the directory had none)")
+    where = getattr(commit, "commit_url", None) or args.repo_id
+    print(f"[push] {args.drafter} uploaded to {where}, model card: {card}")
     return 0
 
 
@@ -225,6 +343,26 @@ def add_push_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repo-id", required=True, help="Hub repository to create or update, ORG/NAME")
     parser.add_argument("--private", action="store_true", help="create the repository as private")
     parser.add_argument("--token", help="Hub token (default: the one `hf auth login` stored, or $HF_TOKEN)")
+
+
+def positive_int(text: str) -> int:
+    """argparse type of counts: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return value
+
+
+def is_utf8(text: str) -> bool:
+    """False for a command-line argument that held bytes that are not UTF-8 (Python keeps them as lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def temperature(text: str) -> float:
@@ -238,9 +376,32 @@ def temperature(text: str) -> float:
     return value
 
 
-def main(argv: list[str] | None = None) -> int:
-    from . import __version__
+def _one_line_warnings() -> None:
+    """The package's own warnings (the latency cache, the model cache) print as one line each, without the
+    source line Python adds: `treespark: warning: ...`."""
+    import warnings
 
+    default = warnings.formatwarning
+    if getattr(default, "one_line", False):
+        return
+
+    def one_line(message, category, filename, lineno, line=None):
+        text = str(message)
+        if text.startswith("hf_treespark: "):
+            return f"treespark: warning: {text.removeprefix('hf_treespark: ')}\n"
+        return default(message, category, filename, lineno, line)
+
+    one_line.one_line = True
+    warnings.formatwarning = one_line
+
+
+def main(argv: list[str] | None = None, before_command: Callable[[], object] | None = None) -> int:
+    """Parse the command line and run the command; `before_command()` runs in between (the console entry
+    point, `hf_treespark_cli`, finishes `import hf_treespark` there)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # The options of bench, train and export come from their modules, which import torch: they are added only
+    # for the command being run (or shown with --help), so that `treespark --help` stays instant.
+    command = next((arg for arg in argv if not arg.startswith("-")), None)
     parser = argparse.ArgumentParser(prog="treespark", description="TreeSpark tree speculative decoding",
                                      formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -263,19 +424,26 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--compare", action="store_true", help="also run plain decoding: speedup and exactness check")
     gen.set_defaults(func=cmd_generate)
 
-    from .bench import add_arguments as add_bench_arguments
-
     bench = sub.add_parser("bench", help="acceptance length and speed of plain, prompt lookup, DSpark and TreeSpark")
-    add_bench_arguments(bench)
+    if command == "bench":
+        from .bench import add_arguments as add_bench_arguments
+
+        add_bench_arguments(bench)
     bench.set_defaults(func=cmd_bench)
 
-    cal = sub.add_parser("calibrate", help="measure a drafter's acceptance length per tree budget (for 'auto')")
-    cal.add_argument("--drafter", required=True, help="drafter directory; its config.json gets acceptance_profile")
+    cal = sub.add_parser("calibrate", help="measure what a round costs here and a drafter's acceptance length per "
+                                           "tree budget (for 'auto')")
+    cal.add_argument("--drafter", help="drafter directory; its config.json gets acceptance_profile (default: the "
+                                       "shipped drafter, latency only)")
     cal.add_argument("--target", help="target model name or path (default: offline SmolLM2-135M-Instruct)")
     cal.add_argument("--suite", default="sharegpt", help="prompt suite (mtbench, humaneval, sharegpt held-out)")
-    cal.add_argument("--num-prompts", type=int, default=8)
-    cal.add_argument("--max-new-tokens", type=int, default=96)
+    cal.add_argument("--num-prompts", type=positive_int, default=8)
+    cal.add_argument("--max-new-tokens", type=positive_int, default=96)
     cal.add_argument("--budgets", default="2,4,8,16,32,64")
+    cal.add_argument("--force", action="store_true",
+                     help="measure this machine's round latency again (on a quiet machine), replacing the cached one")
+    cal.add_argument("--latency-only", action="store_true",
+                     help="only the round latency; leave the drafter's acceptance_profile as it is")
     cal.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                         help="auto: bf16 where the device computes it natively, else fp32")
     cal.add_argument("--cpu-pack", choices=CPU_PACK_CHOICES, default="auto", help=CPU_PACK_HELP)
@@ -291,23 +459,37 @@ def main(argv: list[str] | None = None) -> int:
     voc.add_argument("--output", required=True, help="new directory for the restricted drafter")
     voc.set_defaults(func=cmd_draft_vocab)
 
+    store = sub.add_parser("datastore", help="index the target's outputs as a drafter's datastore (retrieved "
+                                             "branches in every round's tree)")
+    store.add_argument("--data", nargs="+", required=True,
+                       help="reference files of the target's outputs, .jsonl or .jsonl.gz with prompt_ids and "
+                            "response_ids (what `treespark train --data` reads)")
+    store.add_argument("--output", required=True,
+                       help="drafter directory to add datastore.safetensors to (or a new directory for it alone)")
+    store.add_argument("--vocab-size", type=positive_int,
+                       help="the target's vocabulary size (default: the --output drafter's target_vocab_size, else "
+                            "the offline default target's)")
+    store.set_defaults(func=cmd_datastore)
+
     demo = sub.add_parser("demo", help="the Gradio demo: watch rounds commit and inspect each drafted tree")
     add_demo_arguments(demo)
     demo.set_defaults(func=cmd_demo)
 
-    from .training.cli import add_arguments as add_train_arguments
-
     train = sub.add_parser("train", help="train a drafter for a target (resumable; see --help)")
-    add_train_arguments(train)
+    if command == "train":
+        from .training.cli import add_arguments as add_train_arguments
+
+        add_train_arguments(train)
     train.set_defaults(func=cmd_train)
 
     export = sub.add_parser("export", help="write the drafter of a training checkpoint to a drafter directory")
     export.add_argument("checkpoint", help="a checkpoint of a training run, OUTPUT_DIR/checkpoints/step-N")
     export.add_argument("--output", required=True, help="new directory for the drafter")
-    from .training.export import EXPORT_DTYPES
+    if command == "export":
+        from .training.export import EXPORT_DTYPES
 
-    export.add_argument("--dtype", choices=EXPORT_DTYPES, default="bfloat16",
-                        help="precision of the saved weights (the shipped drafter is bfloat16)")
+        export.add_argument("--dtype", choices=EXPORT_DTYPES, default="bfloat16",
+                            help="precision of the saved weights (the shipped drafter is bfloat16)")
     export.set_defaults(func=cmd_export)
 
     push = sub.add_parser("push", help="upload a trained drafter and its model card to the Hugging Face Hub")
@@ -319,7 +501,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--max-new-tokens must be at least 1")
     if getattr(args, "prompt", "x").strip() == "":
         parser.error("--prompt is empty")
+    if not is_utf8(getattr(args, "prompt", "")):
+        parser.error("--prompt is not valid UTF-8 text (the shell passed bytes that are not): give it as UTF-8")
+    _one_line_warnings()
     try:
+        if before_command is not None:
+            before_command()
         return args.func(args)
     except (OSError, ValueError, RuntimeError) as err:
         print(f"treespark: error: {err}", file=sys.stderr)

@@ -41,6 +41,11 @@ class TreeSparkConfig(PretrainedConfig):
             (`hf_treespark.budget.calibrate_acceptance`), or None.
         tree_lookup: tokens per lookup branch grafted into each round's tree (continuations of the
             text's suffix found earlier in the prompt or output; `hf_treespark.lookup`); 0 = off.
+        tree_datastore: graft the drafter's datastore branches (continuations of the text's suffix in the
+            target's earlier outputs, `hf_treespark.datastore`) into each round's tree, where the drafter
+            carries a datastore (`datastore.safetensors` beside its weights).
+        datastore_grow_tokens: how many tokens of this process's own outputs `generate` adds to the
+            drafter's datastore (the most recent ones; 0 = none, the store stays as shipped).
         draft_vocab_size: size `|S|` of the draft vocabulary, the target-vocabulary subset the drafter
             proposes from (frequency-ranked ids, stored in the checkpoint as the buffer
             `draft_vocab_ids`); None: the whole target vocabulary. Verification always uses the full
@@ -83,6 +88,8 @@ class TreeSparkConfig(PretrainedConfig):
         tree_budget: int | str = 32,
         acceptance_profile: dict[str, float] | None = None,
         tree_lookup: int = 0,
+        tree_datastore: bool = True,
+        datastore_grow_tokens: int = 0,
         draft_vocab_size: int | None = None,
         anchor_features: bool = False,
         normalize_features: bool = False,
@@ -115,6 +122,8 @@ class TreeSparkConfig(PretrainedConfig):
         self.tree_budget = tree_budget
         self.acceptance_profile = _acceptance_profile(acceptance_profile)
         self.tree_lookup = tree_lookup
+        self.tree_datastore = tree_datastore
+        self.datastore_grow_tokens = datastore_grow_tokens
         self.draft_vocab_size = draft_vocab_size
         self.anchor_features = bool(anchor_features)
         self.normalize_features = bool(normalize_features)
@@ -155,6 +164,10 @@ class TreeSparkConfig(PretrainedConfig):
              f"must be None (learned mask embedding) or an id in [0, {self.target_vocab_size})")
         need(isinstance(self.tree_lookup, int) and not isinstance(self.tree_lookup, bool) and self.tree_lookup >= 0,
              "tree_lookup", "must be an integer >= 0 (tokens per lookup branch; 0 = off)")
+        need(isinstance(self.tree_datastore, bool), "tree_datastore", "must be true or false")
+        need(isinstance(self.datastore_grow_tokens, int) and not isinstance(self.datastore_grow_tokens, bool)
+             and 0 <= self.datastore_grow_tokens <= 1 << 26, "datastore_grow_tokens",
+             "must be an integer in [0, 67108864] (tokens of this process's outputs kept; 0 = none)")
         need(self.draft_vocab_size is None or (isinstance(self.draft_vocab_size, int)
                                                and 0 < self.draft_vocab_size <= self.target_vocab_size),
              "draft_vocab_size", f"must be None (the whole vocabulary) or an integer in [1, {self.target_vocab_size}]")

@@ -17,7 +17,7 @@ under the default BLAS). Use the same packed model for plain decoding when compa
 
 from __future__ import annotations
 
-import types
+import copy
 
 import torch
 import torch.nn.functional as F
@@ -37,21 +37,42 @@ def weight_key(weight: torch.Tensor) -> tuple:
     return weight.data_ptr(), weight._version, weight.dtype, weight.shape
 
 
-def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    weight = self.weight
-    if (weight.device.type != "cpu" or x.device.type != "cpu" or x.dtype != weight.dtype
-            or weight.dtype not in PACKABLE_DTYPES or x.numel() == 0
-            or (self.bias is not None and self.bias.dtype != x.dtype)
-            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
-        return F.linear(x, weight, self.bias)
-    key = weight_key(weight)
-    if self._treespark_packed_key != key:  # first call, or the weight changed since packing
-        self._treespark_packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-        self._treespark_packed_key = key
-    bias = None if self.bias is None else self.bias.detach()
-    rows = x.reshape(-1, x.shape[-1]).contiguous()
-    out = torch.ops.mkldnn._linear_pointwise(rows, self._treespark_packed, bias, "none", [], "")
-    return out.view(*x.shape[:-1], out.shape[-1])
+class PackedForward:
+    """`forward` of a packed linear layer, holding the layer's weight in oneDNN's blocked layout.
+
+    The packed weight is a cache, not state: it is an opaque tensor (it has no storage to copy), so a
+    deep copy (`copy.deepcopy`) or a pickle (`torch.save` of the model) of the layer carries an empty
+    cache, filled again at the copy's first call. It is never a parameter or buffer, so `state_dict`
+    and `save_pretrained` do not see it.
+    """
+
+    def __init__(self, module: nn.Linear):
+        self.module = module
+        self.packed: torch.Tensor | None = None
+        self.key: tuple | None = None  # `weight_key` of the weight `packed` was made from
+
+    def __deepcopy__(self, memo: dict) -> PackedForward:
+        return PackedForward(copy.deepcopy(self.module, memo))
+
+    def __reduce__(self):
+        return PackedForward, (self.module,)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        module = self.module
+        weight = module.weight
+        if (weight.device.type != "cpu" or x.device.type != "cpu" or x.dtype != weight.dtype
+                or weight.dtype not in PACKABLE_DTYPES or x.numel() == 0
+                or (module.bias is not None and module.bias.dtype != x.dtype)
+                or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+            return F.linear(x, weight, module.bias)
+        key = weight_key(weight)
+        if self.key != key:  # first call, or the weight changed since packing
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+            self.key = key
+        bias = None if module.bias is None else module.bias.detach()
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, bias, "none", [], "")
+        return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def pack_linear_layers(model: nn.Module) -> int:
@@ -65,9 +86,7 @@ def pack_linear_layers(model: nn.Module) -> int:
     count = 0
     for module in model.modules():
         if isinstance(module, nn.Linear) and not is_packed(module):
-            module._treespark_packed = None
-            module._treespark_packed_key = None
-            module.forward = types.MethodType(_packed_forward, module)
+            module.forward = PackedForward(module)
             count += 1
     return count
 
@@ -77,13 +96,13 @@ def unpack_linear_layers(model: nn.Module) -> int:
     count = 0
     for module in model.modules():
         if isinstance(module, nn.Linear) and is_packed(module):
-            del module.forward, module._treespark_packed, module._treespark_packed_key
+            del module.forward
             count += 1
     return count
 
 
 def is_packed(module: nn.Module) -> bool:
-    return "_treespark_packed_key" in module.__dict__
+    return isinstance(module.__dict__.get("forward"), PackedForward)
 
 
 def should_pack(pack: bool | str, device: str | torch.device) -> bool:
@@ -93,16 +112,6 @@ def should_pack(pack: bool | str, device: str | torch.device) -> bool:
     if not isinstance(pack, bool):
         raise ValueError(f"cpu_pack={pack!r} is invalid: use True, False or 'auto'")
     return pack
-
-
-CPU_PACK_CHOICES = ("auto", "on", "off")
-CPU_PACK_HELP = ("linear layers through prepacked oneDNN kernels (cheaper multi-token verify forwards on a CPU); "
-                 "auto: on for a CPU with oneDNN")
-
-
-def cpu_pack_option(value: str) -> bool | str:
-    """The command-line `--cpu-pack auto|on|off` as `should_pack` takes it."""
-    return {"auto": "auto", "on": True, "off": False}[value]
 
 
 def model_is_packed(model: nn.Module) -> bool:

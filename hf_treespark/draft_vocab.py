@@ -8,7 +8,6 @@ full vocabulary, so decoding stays lossless.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
@@ -17,35 +16,50 @@ ID_FIELDS = ("response_ids", "output_ids", "input_ids", "ids")
 TEXT_FIELDS = ("response", "text", "output", "completion")
 
 
-def count_token_ids(paths: Iterable[str | Path], tokenizer=None) -> Counter:
-    """Token-id counts over JSONL files: each line's first id list (`response_ids`, `output_ids`,
-    `input_ids`, `ids`) or, failing that, its first text field (`response`, `text`, ...) tokenised with
-    `tokenizer` (no special tokens added). Raises `ValueError` naming the file and line it cannot read."""
+def count_token_ids(paths: Iterable[str | Path], tokenizer=None, vocab_size: int | None = None) -> Counter:
+    """Token-id counts over JSONL files (`.jsonl`, or `.jsonl.gz` compressed, read as `treespark train` reads its
+    data: `training.data.json_records`): each line's first id list (`response_ids`, `output_ids`, `input_ids`,
+    `ids`) or, failing that, its first text field (`response`, `text`, ...) tokenised with `tokenizer` (no
+    special tokens added).
+
+    Raises `ValueError` naming the file and line it cannot read (not UTF-8, not JSON, no ids or text, ids that
+    are not integers >= 0 or, given `vocab_size`, not below it), and naming a file that holds no token id at all
+    (empty, or only empty lists): it cannot rank a vocabulary."""
+    from .training.data import json_records
+
     counts: Counter = Counter()
     for path in map(Path, paths):
         if not path.is_file():
             raise OSError(f"No such data file: {path}")
-        with path.open(encoding="utf-8") as f:
-            for number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{path}:{number}: not a JSON line ({err.msg})") from None
-                ids = next((record[k] for k in ID_FIELDS if isinstance(record, dict) and k in record), None)
-                if ids is None:
-                    text = next((record[k] for k in TEXT_FIELDS if isinstance(record, dict) and k in record), None)
-                    if text is None:
-                        raise ValueError(f"{path}:{number}: no token ids ({', '.join(ID_FIELDS)}) and no text "
-                                         f"({', '.join(TEXT_FIELDS)})")
-                    if tokenizer is None:
-                        raise ValueError(f"{path}:{number}: a text record needs the target's tokenizer to count ids")
-                    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-                if not all(isinstance(i, int) and i >= 0 for i in ids):
-                    raise ValueError(f"{path}:{number}: token ids must be non-negative integers")
-                counts.update(ids)
+        found = 0
+        for _, (_, ids) in json_records(path, lambda record: _record_token_ids(record, tokenizer, vocab_size)):
+            counts.update(ids)
+            found += len(ids)
+        if not found:
+            raise ValueError(f"{path}: no token ids in it (an empty file, or only empty id lists and texts): nothing "
+                             "to rank a draft vocabulary by; give the target's outputs")
     return counts
+
+
+def _record_token_ids(record: dict, tokenizer, vocab_size: int | None) -> list[int]:
+    """One JSONL record's token ids (see `count_token_ids`); `ValueError` saying what is wrong with them."""
+    key = next((k for k in ID_FIELDS if k in record), None)
+    if key is None:
+        text_key = next((k for k in TEXT_FIELDS if k in record), None)
+        if text_key is None:
+            raise ValueError(f"no token ids ({', '.join(ID_FIELDS)}) and no text ({', '.join(TEXT_FIELDS)})")
+        if not isinstance(record[text_key], str):
+            raise ValueError(f"{text_key!r} must be a string, got {type(record[text_key]).__name__}")
+        if tokenizer is None:
+            raise ValueError("a text record needs the target's tokenizer to count ids")
+        return list(tokenizer(record[text_key], add_special_tokens=False)["input_ids"])
+    ids = record[key]
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"{key!r}: token ids must be a list of integers >= 0 (true/false are not ids)")
+    if vocab_size is not None and ids and max(ids) >= vocab_size:
+        raise ValueError(f"{key!r} holds token id {max(ids)}, outside the target's vocabulary [0, {vocab_size}): was "
+                         "it tokenised for another model?")
+    return ids
 
 
 def rank_token_ids(counts: Counter, size: int, vocab_size: int, allowed: list[int] | None = None) -> list[int]:

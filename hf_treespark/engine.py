@@ -35,11 +35,13 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, LogitsProcessorList
 
+from .datastore import MAX_MATCH
 from .lookup import (
     LOOKUP_LONG_TOKENS,
     DrafterGate,
     add_lookup_branches,
     find_lookup_branches,
+    graft_nodes,
     is_lookup_round,
     lookup_pool,
     max_extra_budget,
@@ -102,15 +104,20 @@ def draft_pool(drafter, policy: TreePolicy, anchor: torch.Tensor, position: int,
     return expand_tree(depth_logits, drafter.markov_bias, anchor, policy, drafter.draft_vocab_ids, stop_budget)
 
 
+def _max_depth(pool: Candidates, depth: int) -> int:
+    """The deepest level a packed tree of `pool` can reach: the policy's `depth`, or deeper grafted branches."""
+    return max(depth, int(pool.depths.max())) if pool.depths.numel() else depth
+
+
 class PhaseTimer:
     """Wall time of each round phase, summed over rounds (`seconds[phase]`), for profiling a decoding call.
 
-    Phases: `draft` (drafter pass), `tree` (expand and pack), `verify` (the target forward), `walk`
-    (acceptance), `commit` (cache and drafter context); `round` is the whole round as the loop sees it,
+    Phases: `draft` (drafter pass), `tree` (expand and pack), `datastore` (its lookup), `verify` (the target
+    forward), `walk` (acceptance), `commit` (cache and drafter context); `round` is the whole round as the loop sees it,
     so `round - sum(phases)` is everything else. CUDA is synchronised around each phase.
     """
 
-    PHASES = ("draft", "tree", "verify", "walk", "commit")
+    PHASES = ("draft", "tree", "datastore", "verify", "walk", "commit")
 
     def __init__(self):
         self.seconds: dict[str, float] = defaultdict(float)
@@ -143,10 +150,17 @@ class Round:
 
     def lookup_accepted(self, count: int | None = None) -> int:
         """How many of the first `count` accepted nodes (default: all) only a lookup branch proposed."""
-        if self.tree.lookup is None:
+        return self._accepted_from(self.tree.lookup, count)
+
+    def datastore_accepted(self, count: int | None = None) -> int:
+        """How many of the first `count` accepted nodes (default: all) only the datastore proposed."""
+        return self._accepted_from(self.tree.retrieved, count)
+
+    def _accepted_from(self, flags: torch.Tensor | None, count: int | None) -> int:
+        if flags is None:
             return 0
         path = self.acceptance.path[0, 1: 1 + (self.num_accepted if count is None else count)]
-        return int(self.tree.lookup[0, path].sum())
+        return int(flags[0, path].sum())
 
 
 class TreeSparkSession:
@@ -165,12 +179,13 @@ class TreeSparkSession:
         keep_scores: keep the processed scores and raw logits of every committed token.
         gate: with lookup on, the drafter gate's threshold (`lookup.DrafterGate`; `budget.gate_threshold`
             gives this device's); 0 runs the drafter in every round that is not lookup-only.
+        datastore: a `datastore.Datastore` whose branches join every round that is not lookup-only, or None.
     """
 
     def __init__(self, target, drafter, policy: TreePolicy, *, logits_processor: LogitsProcessorList | None = None,
                  do_sample: bool = False, keep_scores: bool = False, cache: DynamicCache | None = None,
                  choose_budget: Callable[[torch.Tensor], int] | None = None, timer: PhaseTimer | None = None,
-                 gate: float = 0.0):
+                 gate: float = 0.0, datastore=None):
         self.target = target
         self.drafter = drafter.bind_target(target)
         self.policy = policy
@@ -190,6 +205,7 @@ class TreeSparkSession:
         self.ran_drafter = False  # whether the current round ran the drafter
         self.lookup_only = False  # whether the current round is lookup-only
         self.long_lookup = False  # the last lookup-only round accepted its whole branch
+        self.datastore = datastore
 
     def _phase(self, name: str):
         return self.timer(name) if self.timer is not None else nullcontext()
@@ -210,11 +226,13 @@ class TreeSparkSession:
         suffix matches strongly (`lookup.is_lookup_round`) verifies only its lookup branches and skips the
         drafter pass; the features it commits wait in `pending` for the next drafter pass. So does a round
         the drafter gate closes (`lookup.DrafterGate`): it verifies a short branch of its best match, if any.
+        With a datastore, every other round also grafts the continuations of the text's suffix in the
+        target's earlier outputs (`datastore.py`); each retrieved node adds one to the round's budget.
         """
         x0 = ids[:, -1]
         self.ran_drafter = False
+        history = ids[0, ids.shape[1] - 1 - self.past_len:]  # the unpadded text, x0 last
         with self._phase("tree"):
-            history = ids[0, ids.shape[1] - 1 - self.past_len:]  # the unpadded text, x0 last
             length = self.policy.lookup
             branches = find_lookup_branches(history, LOOKUP_LONG_TOKENS if self.long_lookup else length)
             self.lookup_only = is_lookup_round(branches)
@@ -222,17 +240,21 @@ class TreeSparkSession:
                 pool = lookup_pool(x0, branches)
                 return pack_tree(pool, x0, pool.tokens.shape[1], max(self.policy.depth, int(pool.depths.max())))
             branches = [(tokens[:length], n) for tokens, n in branches]
-            if self.gate is not None and not self.gate.is_open:
+        with self._phase("datastore"):
+            retrieved = [] if self.datastore is None else self.datastore.branches(history[-MAX_MATCH:].tolist())
+        if self.gate is not None and not self.gate.is_open:
+            with self._phase("tree"):
                 self.gate.skipped()
-                pool = lookup_pool(x0, branches, self.policy.lookup)
-                return pack_tree(pool, x0, pool.tokens.shape[1], self.policy.depth)
+                pool = graft_nodes(lookup_pool(x0, branches, self.policy.lookup), retrieved, "retrieved")
+                return pack_tree(pool, x0, pool.tokens.shape[1], _max_depth(pool, self.policy.depth))
         self.ran_drafter = True
         with self._phase("draft"):
             depth_logits = drafter_pass(self.drafter, self.policy, x0, self.past_len, self.pending, self.context)
         self.pending = None
         with self._phase("tree"):
             # the first round of an "auto" budget chooses it from the whole pool: no early stop
-            stop = None if self.policy.auto else self.policy.budget + max_extra_budget(branches, self.policy.lookup)
+            stop = None if self.policy.auto else (self.policy.budget + max_extra_budget(branches, self.policy.lookup)
+                                                  + len(retrieved))
             pool = expand_tree(depth_logits, self.drafter.markov_bias, x0, self.policy, self.drafter.draft_vocab_ids,
                                stop_budget=stop)
             if self.policy.auto:  # chosen on the drafter's own pool: the budget is the drafter's
@@ -240,7 +262,9 @@ class TreeSparkSession:
                     raise ValueError("an 'auto' tree budget needs choose_budget (see hf_treespark.budget)")
                 self.policy = self.policy.with_budget(self.choose_budget(pool.scores[0]))
             pool, extra = add_lookup_branches(pool, branches, self.policy.lookup)
-            return pack_tree(pool, x0, self.policy.budget + extra, self.policy.depth)
+            pool = graft_nodes(pool, retrieved, "retrieved")
+            extra += 0 if pool.retrieved is None else int(pool.retrieved[0].sum())
+            return pack_tree(pool, x0, self.policy.budget + extra, _max_depth(pool, self.policy.depth))
 
     def verify(self, tree: DraftTree):
         """ONE target forward over the packed tree; the output has logits `[1, N + 1, V]`."""
@@ -287,5 +311,5 @@ class TreeSparkSession:
         if self.lookup_only:
             self.long_lookup = num_accepted == tree.num_nodes >= self.policy.lookup
         if self.ran_drafter and self.gate is not None:
-            self.gate.drafted(num_accepted - rnd.lookup_accepted())
+            self.gate.drafted(num_accepted - rnd.lookup_accepted() - rnd.datastore_accepted())
         return rnd

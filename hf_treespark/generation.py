@@ -9,15 +9,20 @@ that: stopping criteria inside a round, streaming, scores, per-round records.
 
 from __future__ import annotations
 
+import numbers
+import os
 from contextlib import nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .budget import auto_budget, gate_threshold
+from .datastore import DATASTORE_FILE, HEADER_TOKENS, Datastore, DatastoreError
 from .engine import Round, TreeSparkSession, draft_pool
 from .lookup import add_lookup_branches, find_lookup_branches, max_extra_budget
 from .tree import DraftTree, TreePolicy, pack_tree
@@ -30,6 +35,7 @@ class RoundRecord:
     tree_size: non-root nodes verified. num_accepted: accepted non-root nodes, of which
     `lookup_accepted` only a lookup branch had proposed.
     accepted_path: node indices (into the packed tree, root excluded) of the accepted path.
+    `datastore_accepted` only the datastore had proposed.
     committed: tokens committed this round (accepted tokens, then the bonus unless the round
     stopped first). tree: the packed tree (`tokens`, `parents`, `depths`, `scores`, root first)
     and `candidates` (every proposed node with `packed` flags), when requested.
@@ -41,6 +47,7 @@ class RoundRecord:
     committed: list[int]
     tree: dict | None = None
     lookup_accepted: int = 0
+    datastore_accepted: int = 0
 
     @property
     def acceptance_length(self) -> int:
@@ -53,7 +60,7 @@ class RoundRecord:
         return cls(tree_size=rnd.tree.num_nodes, num_accepted=accepted,
                    accepted_path=rnd.acceptance.path[0, 1:accepted + 1].tolist(), committed=committed,
                    tree=tree_record_dict(rnd.tree) if keep_tree else None,
-                   lookup_accepted=rnd.lookup_accepted(accepted))
+                   lookup_accepted=rnd.lookup_accepted(accepted), datastore_accepted=rnd.datastore_accepted(accepted))
 
 
 @dataclass
@@ -95,10 +102,61 @@ def resolve_gate(model, drafter, policy: TreePolicy, tree_gate="auto") -> float:
     Raises `ValueError` for anything else."""
     if isinstance(tree_gate, str) and tree_gate == "auto":
         return gate_threshold(model, drafter, policy) if policy.lookup else 0.0
-    if isinstance(tree_gate, bool) or not isinstance(tree_gate, (int, float)) or not tree_gate >= 0:
+    threshold = real_scalar(tree_gate)
+    if threshold is None or not threshold >= 0:
         raise ValueError(f'tree_gate={tree_gate!r} is invalid: use "auto" or a number >= 0 (drafted tokens a '
                          "drafter round must get accepted on average; 0 = always draft)")
-    return float(tree_gate)
+    return threshold
+
+
+def real_scalar(value) -> float | None:
+    """`value` as a float when it is one real number (Python, numpy, or a 0-d torch tensor), else None: bools,
+    strings, complex numbers and tensors with dimensions are not."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or value.dtype == torch.bool or value.is_complex():
+            return None
+        return float(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    return float(value)
+
+
+_loaded_datastores: dict[tuple[str, float], Datastore] = {}  # by path and modification time
+
+
+def resolve_datastore(drafter, tree_datastore=None) -> Datastore | None:
+    """The datastore whose branches join this call's rounds (`datastore.py`), or None.
+
+    `None`: the drafter's own (`drafter.datastore`, loaded with it) when its config's `tree_datastore` is on;
+    `False`: none; `True`: the drafter's own, which must exist; a `Datastore`, or the directory or file of one
+    (loaded once per process). Raises `ValueError` naming the knob for anything else and for a datastore built
+    for another vocabulary (a `DatastoreError`, naming the file, for a damaged one)."""
+    own = getattr(drafter, "datastore", None)
+    vocab = drafter.config.target_vocab_size
+    if tree_datastore is None:
+        return own if getattr(drafter.config, "tree_datastore", True) else None
+    if isinstance(tree_datastore, (bool, np.bool_)):
+        if tree_datastore and own is None:
+            raise ValueError("tree_datastore=True, but this drafter carries no datastore: build one with `treespark "
+                             "datastore --data FILES --output DRAFTER_DIR`, or pass a Datastore or its directory")
+        return own if tree_datastore else None
+    if isinstance(tree_datastore, (str, os.PathLike)):
+        path = Path(tree_datastore)
+        path = path / DATASTORE_FILE if path.is_dir() else path
+        key = (str(path.resolve()), path.stat().st_mtime if path.is_file() else 0.0)
+        if key not in _loaded_datastores:
+            try:
+                _loaded_datastores[key] = Datastore.load(path, vocab_size=vocab)
+            except DatastoreError as err:
+                raise DatastoreError(f"tree_datastore={os.fspath(tree_datastore)!r}: {err}") from None
+        return _loaded_datastores[key]
+    if isinstance(tree_datastore, Datastore):
+        if tree_datastore.vocab_size != vocab:
+            raise ValueError(f"tree_datastore: this datastore was built for a vocabulary of {tree_datastore.vocab_size}"
+                             f" ids, the drafter's target has {vocab}: build one from this target's outputs")
+        return tree_datastore
+    raise ValueError(f"tree_datastore={tree_datastore!r:.60} is invalid: use True/False, a Datastore, or the "
+                     "directory of one")
 
 
 def _first_stop(stopping_criteria: StoppingCriteriaList, ids: torch.Tensor, num_new: int) -> int | None:
@@ -136,6 +194,20 @@ def check_supported(model, drafter, input_ids: torch.Tensor, generation_config: 
         bad = top if top >= vocab else int(input_ids.min())
         raise ValueError(f"input_ids holds token id {bad}, outside the target's vocabulary [0, {vocab}): "
                          "tokenize with the target's own tokenizer.")
+
+
+def check_arguments(generation_config: GenerationConfig, model_kwargs: dict) -> None:
+    """Refuse, by name, what plain `generate` takes but TreeSpark decoding would not read or return."""
+    if model_kwargs.get("inputs_embeds") is not None:
+        raise ValueError("TreeSpark decoding does not take inputs_embeds: the drafter and its lookup branches draft "
+                         "from token ids. Pass input_ids (the tokenized prompt) instead, or drop the assistant_model.")
+    outputs = {"output_attentions": "attentions", "output_hidden_states": "hidden states"}
+    asked = [flag for flag in outputs if getattr(generation_config, flag, None)]
+    if asked and generation_config.return_dict_in_generate:
+        flags = ", ".join(f"{flag}=True" for flag in asked)
+        raise ValueError(f"TreeSpark decoding does not return {' or '.join(outputs[f] for f in asked)} ({flags}): its "
+                         f"target forwards run over drafted trees, not the committed text. Drop it; for those tensors, "
+                         f"run the target once over out.sequences with {flags}.")
 
 
 def _left_padding(attention_mask: torch.Tensor | None, input_ids: torch.Tensor) -> int:
@@ -193,6 +265,7 @@ def treespark_decoding(
     tree_chain: bool = False,
     tree_lookup: int | None = None,
     tree_gate: float | str = "auto",
+    tree_datastore=None,
     tree_record: bool = False,
     tree_timer=None,
     **model_kwargs,
@@ -200,17 +273,21 @@ def treespark_decoding(
     """The TreeSpark decoding loop (a transformers `custom_generate` callable).
 
     Returns `[1, prompt + new]` token ids, or a `TreeSparkGenerateOutput` with
-    `return_dict_in_generate=True`. `tree_record=True` stores each round's tree in its record;
+    `return_dict_in_generate=True`; its `cache` (`past_key_values`) is the target's cache of every token but
+    the last, as plain decoding returns it (left padding excluded). Attentions, hidden states and
+    `inputs_embeds` are refused (`check_arguments`). `tree_record=True` stores each round's tree in its record;
     `tree_gate`: the drafter gate's threshold with lookup on (`resolve_gate`).
     `tree_timer` (an `engine.PhaseTimer`) sums the wall time of each round phase (`treespark bench --profile`).
     One target forward per round: nothing is measured here (`tree_budget="auto"` reads the latency
     that `hf_treespark.budget.calibrate_latency` stored, or falls back to a default budget).
     """
     drafter = treespark_drafter
+    check_arguments(generation_config, model_kwargs)
     check_supported(model, drafter, input_ids, generation_config)
     policy = resolve_policy(drafter, tree_budget, tree_topk, tree_depth, tree_frontier, tree_chain, tree_lookup)
     policy, choose_budget = _auto_chooser(model, drafter, policy)
     gate = resolve_gate(model, drafter, policy, tree_gate)
+    datastore = resolve_datastore(drafter, tree_datastore)
     streamer = treespark_streamer
     want_scores = bool(generation_config.output_scores)
     want_logits = bool(generation_config.output_logits)
@@ -221,7 +298,7 @@ def treespark_decoding(
     num_pad = _left_padding(model_kwargs.get("attention_mask"), input_ids)
     session = TreeSparkSession(model, drafter, policy, logits_processor=logits_processor, do_sample=do_sample,
                                keep_scores=want_scores or want_logits, cache=_empty_cache(model_kwargs),
-                               choose_budget=choose_budget, timer=tree_timer, gate=gate)
+                               choose_budget=choose_budget, timer=tree_timer, gate=gate, datastore=datastore)
 
     if streamer is not None:
         streamer.put(input_ids.cpu())
@@ -258,6 +335,11 @@ def treespark_decoding(
 
     if streamer is not None:
         streamer.end()
+    if datastore is not None:  # growing with use, where the datastore keeps added outputs (`grow_tokens`)
+        datastore.add(ids[0, max(0, input_ids.shape[1] - HEADER_TOKENS):].tolist())
+    # The target's cache of the committed text (left padding excluded), as plain decoding leaves it: every
+    # token but the last. A round cut short by a stop had cached entries past it.
+    session.cache.crop(ids.shape[1] - 1 - num_pad - session.cache.get_seq_length())  # (minus the entries to drop)
     if not generation_config.return_dict_in_generate:
         return ids
     mean, by_depth = acceptance_stats(rounds, session.policy.depth)
@@ -269,6 +351,7 @@ def treespark_decoding(
         acceptance_length=mean,
         acceptance_by_depth=by_depth,
         tree_budget=session.policy.budget,
+        cache=session.cache if generation_config.use_cache else None,
     )
 
 
@@ -278,6 +361,7 @@ def tree_record_dict(tree: DraftTree) -> dict:
     no_lookup = [False] * tree.tokens.shape[1]
     return {
         "lookup": tree.lookup[0].tolist() if tree.lookup is not None else no_lookup,
+        "retrieved": tree.retrieved[0].tolist() if tree.retrieved is not None else no_lookup,
         "tokens": tree.tokens[0].tolist(),
         "parents": tree.parents[0].tolist(),
         "depths": tree.depths[0].tolist(),
@@ -290,6 +374,8 @@ def tree_record_dict(tree: DraftTree) -> dict:
             "packed": cand.packed[0].tolist(),
             "node_index": cand.node_index[0].tolist(),
             "lookup": cand.lookup[0].tolist() if cand.lookup is not None else [False] * cand.tokens.shape[1],
+            "retrieved": (cand.retrieved[0].tolist() if cand.retrieved is not None
+                          else [False] * cand.tokens.shape[1]),
         },
     }
 

@@ -1,4 +1,6 @@
-"""What the `treespark` commands share: `--help` with every default, and one-line errors."""
+"""What the `treespark` commands share: `--help` with every default, one-line errors, and the choices of
+options several commands take. It imports no torch: the command line is parsed before anything heavy
+is imported (`treespark --help` answers at once)."""
 
 from __future__ import annotations
 
@@ -6,6 +8,16 @@ import argparse
 import copy
 import sys
 from collections.abc import Callable
+
+DTYPE_CHOICES = ("auto", "fp32", "bf16", "fp16")  # `--dtype`: "auto" and `precision.DTYPES`
+CPU_PACK_CHOICES = ("auto", "on", "off")
+CPU_PACK_HELP = ("linear layers through prepacked oneDNN kernels (cheaper multi-token verify forwards on a CPU); "
+                 "auto: on for a CPU with oneDNN")
+
+
+def cpu_pack_option(value: str) -> bool | str:
+    """The command-line `--cpu-pack auto|on|off` as `cpu_gemm.should_pack` takes it."""
+    return {"auto": "auto", "on": True, "off": False}[value]
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):

@@ -35,8 +35,10 @@ from .card import (  # noqa: F401  (re-exported: the card and custom_generate/ a
     CUSTOM_GENERATE_MODULES,
     LICENSE,
     PIPELINE_TAG,
+    REPO_PLACEHOLDER,
     hub_target_id,
     model_card,
+    source_card,
     write_custom_generate,
 )
 from .configuration import TreeSparkConfig
@@ -90,12 +92,19 @@ def push_drafter_to_hub(
 ):
     """Save `drafter` with its model card (see `save_drafter`) and upload the folder to the Hub repo `repo_id`.
 
-    Creates the repo if needed. Returns `huggingface_hub`'s `CommitInfo` of the upload.
+    The card is the `README.md` of the directory the drafter was loaded from when it has one (`source_card`:
+    a card the user wrote, or the one saved with the drafter's measured tables; its usage snippet is pointed
+    at `repo_id`), unless `acceptance_table` is given; else one generated from the drafter's config (its
+    `acceptance_profile` included). Creates the repo if needed. Returns `huggingface_hub`'s `CommitInfo`.
     """
     from huggingface_hub import HfApi
 
     api = HfApi(token=token)
+    kept = source_card(drafter) if acceptance_table is None else None
     with tempfile.TemporaryDirectory() as tmp:
+        if kept is not None:  # save_drafter keeps a card that is already there
+            text = kept.read_text(encoding="utf-8").replace(REPO_PLACEHOLDER, repo_id)
+            (Path(tmp) / CARD_NAME).write_text(text, encoding="utf-8")
         save_drafter(drafter, tmp, acceptance_table=acceptance_table, repo_id=repo_id)
         url = api.create_repo(repo_id, exist_ok=True, private=private)
         repo_id = getattr(url, "repo_id", None) or repo_id  # the Hub fills in a missing namespace

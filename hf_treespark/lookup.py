@@ -215,35 +215,51 @@ def add_lookup_branches(pool: Candidates, branches: list[tuple[list[int], int]],
 
 def graft_lookup(pool: Candidates, branches: list[tuple[list[int], int]]) -> Candidates:
     """`pool` (batch size 1) with the lookup branches merged in; `Candidates.lookup` flags new nodes."""
-    if not branches:
+    nodes = []
+    for branch, n in branches:
+        step = math.log(LOOKUP_TOKEN_PROB[min(n, MAX_NGRAM)])
+        for depth, token in enumerate(branch):
+            nodes.append((len(nodes) - 1 if depth else -1, token, step))
+    return graft_nodes(pool, nodes, "lookup")
+
+
+def graft_nodes(pool: Candidates, nodes: list[tuple[int, int, float]], source: str) -> Candidates:
+    """`pool` (batch size 1) with `nodes` merged in: `(parent, token, log_step)`, `parent` -1 for the root or the
+    index of an earlier node of the list. A node whose token equals a child its parent already has IS that child
+    (its score the larger of the two); the others are new candidates, scored `score(parent) + log_step` and
+    flagged in `Candidates.<source>` ("lookup" or "retrieved"); nodes an earlier source added keep their flag."""
+    if not nodes:
         return pool
     tokens, parents = pool.tokens[0].tolist(), pool.parents[0].tolist()
     depths, scores = pool.depths[0].tolist(), pool.scores[0].tolist()
-    lookup = [False] * len(tokens)
+    flags = {name: getattr(pool, name)[0].tolist() if getattr(pool, name) is not None else [False] * len(tokens)
+             for name in ("lookup", "retrieved")}
     child = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens, strict=True))}
-    for branch, n in branches:
-        step = math.log(LOOKUP_TOKEN_PROB[min(n, MAX_NGRAM)])
-        parent, parent_score = -1, 0.0
-        for depth, token in enumerate(branch, start=1):
-            score = parent_score + step
-            node = child.get((parent, token))
-            if node is None:
-                node = len(tokens)
-                child[(parent, token)] = node
-                tokens.append(token)
-                parents.append(parent)
-                depths.append(depth)
-                scores.append(score)
-                lookup.append(True)
-            else:
-                scores[node] = max(scores[node], score)
-            parent, parent_score = node, scores[node]
+    where = []  # pool index of each of `nodes`
+    for parent, token, step in nodes:
+        at = -1 if parent < 0 else where[parent]
+        score = (scores[at] if at >= 0 else 0.0) + step
+        node = child.get((at, token))
+        if node is None:
+            node = len(tokens)
+            child[(at, token)] = node
+            tokens.append(token)
+            parents.append(at)
+            depths.append((depths[at] if at >= 0 else 0) + 1)
+            scores.append(score)
+            for name, flag in flags.items():
+                flag.append(name == source)
+        else:
+            scores[node] = max(scores[node], score)
+        where.append(node)
     like = pool.tokens
+    as_flag = lambda name: torch.tensor([flags[name]], dtype=torch.bool, device=like.device)  # noqa: E731
     return Candidates(
         tokens=torch.tensor([tokens], dtype=like.dtype, device=like.device),
         parents=torch.tensor([parents], dtype=pool.parents.dtype, device=like.device),
         depths=torch.tensor([depths], dtype=pool.depths.dtype, device=like.device),
         scores=torch.tensor([scores], dtype=pool.scores.dtype, device=like.device),
         packed=None, node_index=None, expansions=pool.expansions,
-        lookup=torch.tensor([lookup], dtype=torch.bool, device=like.device),
+        lookup=as_flag("lookup") if source == "lookup" or pool.lookup is not None else None,
+        retrieved=as_flag("retrieved") if source == "retrieved" or pool.retrieved is not None else None,
     )

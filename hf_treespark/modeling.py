@@ -34,6 +34,7 @@ from transformers.utils import ModelOutput
 
 from .configuration import TreeSparkConfig
 from .cpu_gemm import is_packed, pack_linear_layers, weight_key
+from .datastore import DATASTORE_FILE, Datastore
 
 NEEDS_PACKAGE = (
     "transformers' assisted decoding reached a TreeSpark drafter, which it cannot use (the drafter drafts trees "
@@ -330,6 +331,7 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
             self.anchor_proj = nn.Linear(hidden, hidden, bias=False)
             self.anchor_proj.zero_init = True
         self.mask_embedding = nn.Parameter(torch.zeros(hidden)) if config.mask_token_id is None else None
+        self.datastore: Datastore | None = None  # the target's earlier outputs (`datastore.py`), saved beside it
         self.__dict__["_target_modules"] = None  # (embed_tokens, lm_head) of the bound target; not registered
         self.post_init()
 
@@ -376,6 +378,13 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
             raise AttributeError(NEEDS_PACKAGE)
         return super().__getattr__(name)
 
+    def __getstate__(self) -> dict:
+        # A copy (`copy.deepcopy`) or a pickle (`torch.save`) leaves the target's embeddings and LM head out:
+        # they are the target's, and `generate()` (or `bind_target`) binds the copy again.
+        state = super().__getstate__().copy()
+        state["_target_modules"] = None
+        return state
+
     @property
     def draft_vocab_size(self) -> int:
         """How many tokens the drafter can propose (the width of `U_k` and of the Markov correction)."""
@@ -411,14 +420,16 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
         Keeps the rows of the Markov head's `W2` (and, through `draft_vocab_ids`, of the target's LM
         head) for those ids. A drafter that is already restricted can only be narrowed to a subset.
         """
-        ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().cpu()
+        ids = _token_id_tensor(token_ids)
+        problem = draft_vocab_problem(ids, self.config.target_vocab_size)
+        if problem is not None:
+            raise ValueError(f"restrict_vocabulary: token_ids are not a draft vocabulary ({problem}); give distinct "
+                             f"target ids in [0, {self.config.target_vocab_size})")
         current = (torch.arange(self.config.target_vocab_size) if self.draft_vocab_ids is None
                    else self.draft_vocab_ids.cpu())
         position = torch.full((self.config.target_vocab_size,), -1, dtype=torch.long)
         position[current] = torch.arange(len(current))
-        if ids.numel() == 0 or len(set(ids.tolist())) != ids.numel():
-            raise ValueError("restrict_vocabulary needs a non-empty list of distinct token ids")
-        if int(ids.min()) < 0 or int(ids.max()) >= self.config.target_vocab_size or bool((position[ids] < 0).any()):
+        if bool((position[ids] < 0).any()):
             raise ValueError(f"restrict_vocabulary: every id must lie in the drafter's current vocabulary "
                              f"(target ids in [0, {self.config.target_vocab_size}))")
         rows = position[ids].to(self.markov_head.markov_w2.weight.device)
@@ -434,6 +445,15 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
             embed, head, _ = self.__dict__["_target_modules"]
             self.__dict__["_target_modules"] = (embed, head, self._draft_head(head))
         return self
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """`nn.Module` loading (`load_state_dict`, a training checkpoint): refuse a damaged `draft_vocab_ids`
+        before any weight is copied."""
+        ids = state_dict.get(prefix + "draft_vocab_ids")
+        problem = None if ids is None else draft_vocab_problem(ids, self.config.target_vocab_size)
+        if problem is not None:
+            raise ValueError(f"the state dict's {prefix}draft_vocab_ids is damaged ({problem}); nothing was loaded")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def to_target_ids(self, draft_tokens: torch.Tensor) -> torch.Tensor:
         """Indices into the draft vocabulary -> target token ids (the identity without one)."""
@@ -494,11 +514,12 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
         if self.draft_vocab_ids is None:
             return head
         rows = head.weight.detach()[self.draft_vocab_ids]
-        draft = nn.Linear(rows.shape[1], rows.shape[0], bias=head.bias is not None, device=rows.device,
-                          dtype=rows.dtype).requires_grad_(False)
-        draft.weight.data = rows
+        # Built on the meta device and given the rows: no random initialisation, so binding (the first
+        # generate() of a process) draws nothing from the global random generator that sampling uses.
+        draft = nn.Linear(rows.shape[1], rows.shape[0], bias=head.bias is not None, device="meta")
+        draft.weight = nn.Parameter(rows, requires_grad=False)
         if head.bias is not None:
-            draft.bias.data = head.bias.detach()[self.draft_vocab_ids]
+            draft.bias = nn.Parameter(head.bias.detach()[self.draft_vocab_ids], requires_grad=False)
         draft.source_key = _head_source(head)  # rebuilt when the head changes
         if is_packed(head):
             pack_linear_layers(draft)
@@ -626,7 +647,8 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
 
     # ----- saving and loading -------------------------------------------------------------------
     def save_pretrained(self, save_directory, *args, dtype: torch.dtype | None = None, **kwargs):
-        """`PreTrainedModel.save_pretrained`, plus a model card (`README.md`) when the directory has none.
+        """`PreTrainedModel.save_pretrained`, plus a model card (`README.md`) when the directory has none and the
+        drafter's datastore (`datastore.safetensors`) when it carries one.
 
         The card is written first, so `push_to_hub` (which saves through here) uploads it too.
         The weights are written in `dtype`; by default in the dtype they were loaded from (a bfloat16
@@ -645,6 +667,8 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
         if not os.path.exists(card) and model_card is not None:
             with open(card, "w", encoding="utf-8") as f:
                 f.write(model_card(self))
+        if self.datastore is not None:  # before the weights: `push_to_hub=True` uploads what is there then
+            self.datastore.save(save_directory)
         if dtype is None or dtype == self.dtype:
             return super().save_pretrained(save_directory, *args, **kwargs)
         # Swap every weight for a `dtype` copy while saving (config.json records it too), then put the
@@ -686,9 +710,51 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
         if bad:
             raise OSError(f"Refusing the TreeSpark drafter checkpoint at {pretrained_model_name_or_path!r}: it does "
                           f"not match its config ({bad}). The file is incomplete or from another model.")
+        problem = None if model.draft_vocab_ids is None else draft_vocab_problem(model.draft_vocab_ids,
+                                                                                 model.config.target_vocab_size)
+        if problem is not None:
+            weights = os.path.join(name, "model.safetensors") if os.path.isdir(name) else name
+            raise OSError(f"Refusing the TreeSpark drafter checkpoint {weights}: its draft_vocab_ids buffer is "
+                          f"damaged ({problem}): the file was cut or edited. Use an intact copy of the drafter.")
         model.__dict__["_stored_dtype"] = _stored_dtype(pretrained_model_name_or_path, kwargs)
+        model.datastore = _load_datastore(pretrained_model_name_or_path, kwargs, model.config)
         _align_tensors(model)
         return (model, info) if want_info else model
+
+
+def _token_id_tensor(token_ids) -> torch.Tensor:
+    """`token_ids` (a sequence, numpy array or tensor of integer ids) as a flat CPU long tensor; `TypeError` for
+    anything else (strings, floats, bools)."""
+    if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__len__"):
+        raise TypeError(f"restrict_vocabulary: token_ids must be a list of integer token ids, got "
+                        f"{type(token_ids).__name__} {token_ids!r:.40}")
+    try:
+        ids = torch.as_tensor(token_ids)
+    except (TypeError, ValueError, RuntimeError):
+        ids = None
+    if ids is not None and ids.numel() == 0:
+        return ids.to(torch.long).flatten().cpu()  # `[]` is float32 to torch
+    if ids is None or ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+        raise TypeError(f"restrict_vocabulary: token_ids must be integer token ids, got {token_ids!r:.60}")
+    return ids.to(torch.long).flatten().cpu()
+
+
+def draft_vocab_problem(ids: torch.Tensor, vocab_size: int) -> str | None:
+    """What makes `ids` unfit as a draft vocabulary of a target with `vocab_size` ids (integer dtype, at least
+    one id, every id in `[0, vocab_size)`, no id twice), or None when it is fit."""
+    if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+        return f"dtype {ids.dtype}, not integer ids"
+    ids = ids.flatten()
+    if ids.numel() == 0:
+        return "no ids"
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab_size:
+        return f"id {low if low < 0 else high} outside the target's vocabulary [0, {vocab_size})"
+    unique = torch.unique(ids)
+    if unique.numel() != ids.numel():
+        counts = torch.bincount(ids.cpu())
+        return f"id {int(counts.argmax())} appears {int(counts.max())} times"
+    return None
 
 
 TENSOR_ALIGNMENT = 64  # bytes: what torch's CPU allocator gives every fresh tensor
@@ -713,12 +779,34 @@ def _head_source(head: nn.Module) -> tuple:
     return weight_key(head.weight), is_packed(head)
 
 
+def _hub_kwargs(kwargs: dict) -> dict:
+    return {k: kwargs[k] for k in ("cache_dir", "force_download", "local_files_only", "token", "revision",
+                                   "subfolder", "proxies") if k in kwargs}
+
+
+def _load_datastore(name, kwargs: dict, config: TreeSparkConfig) -> Datastore | None:
+    """The drafter's `datastore.safetensors` (a directory's or a Hub repo's), or None where it has none. A damaged
+    file or one built for another vocabulary raises `DatastoreError` naming it."""
+    if os.path.isdir(name):
+        path = os.path.join(name, kwargs.get("subfolder") or "", DATASTORE_FILE)
+        path = path if os.path.isfile(path) else None
+    else:
+        from transformers.utils import cached_file
+
+        try:
+            path = cached_file(name, DATASTORE_FILE, _raise_exceptions_for_missing_entries=False,
+                               _raise_exceptions_for_connection_errors=False, **_hub_kwargs(kwargs))
+        except OSError:
+            path = None
+    if path is None:
+        return None
+    return Datastore.load(path, vocab_size=config.target_vocab_size, grow_tokens=config.datastore_grow_tokens)
+
+
 def _stored_dtype(name, kwargs: dict) -> torch.dtype | None:
     """The weights' dtype recorded in a checkpoint's `config.json` (`dtype`, formerly `torch_dtype`), if any."""
-    hub = {k: kwargs[k] for k in ("cache_dir", "force_download", "local_files_only", "token", "revision",
-                                  "subfolder", "proxies") if k in kwargs}
     try:
-        config_dict, _ = TreeSparkConfig.get_config_dict(name, **hub)
+        config_dict, _ = TreeSparkConfig.get_config_dict(name, **_hub_kwargs(kwargs))
     except (OSError, ValueError):
         return None
     value = config_dict.get("dtype") or config_dict.get("torch_dtype")

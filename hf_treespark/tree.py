@@ -134,6 +134,7 @@ class DraftTree:
     ancestors: `[b, N + 1, N + 1]` bool, row `i` marks `i` and all its ancestors.
     candidates: the candidate pool before packing (`Candidates`), for inspection and replay.
     lookup: `[b, N + 1]` bool, nodes only a lookup branch proposed (the drafter did not), or None.
+    retrieved: `[b, N + 1]` bool, nodes only the datastore proposed (neither the drafter nor lookup), or None.
     """
 
     tokens: torch.Tensor
@@ -143,6 +144,7 @@ class DraftTree:
     ancestors: torch.Tensor
     candidates: Candidates
     lookup: torch.Tensor | None = None
+    retrieved: torch.Tensor | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -160,6 +162,7 @@ class Candidates:
     expansions: per depth `k = 1..D`, the expanded parents: `(parent_candidate [b, P_k] (-1 = root),
         parent_tokens [b, P_k], child_candidates [b, P_k, topk])`.
     lookup: `[b, C]` bool, candidates grafted from lookup branches only (`lookup.graft_lookup`), or None.
+    retrieved: `[b, C]` bool, candidates grafted from the datastore only (`lookup.graft_retrieved`), or None.
     """
 
     tokens: torch.Tensor
@@ -170,6 +173,7 @@ class Candidates:
     node_index: torch.Tensor | None
     expansions: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     lookup: torch.Tensor | None = None
+    retrieved: torch.Tensor | None = None
 
 
 def build_tree(
@@ -279,12 +283,11 @@ def pack_tree(pool: Candidates, root_tokens: torch.Tensor, budget: int, max_dept
     tree_parents = torch.cat([root_col(-1, node_parents), node_parents], 1)
     tree_depths = torch.cat([root_col(0, cand_depths), cand_depths.gather(1, chosen)], 1)
     tree_scores = torch.cat([root_col(0.0, cand_scores), cand_scores.gather(1, chosen)], 1)
-    tree_lookup = None
-    if pool.lookup is not None:
-        tree_lookup = torch.cat([root_col(False, pool.lookup), pool.lookup.gather(1, chosen)], 1)
+    flags = [None if flag is None else torch.cat([root_col(False, flag), flag.gather(1, chosen)], 1)
+             for flag in (pool.lookup, pool.retrieved)]
     candidates = replace(pool, packed=packed, node_index=node_index)
     return DraftTree(tree_tokens, tree_parents, tree_depths, tree_scores,
-                     ancestor_matrix(tree_parents, max_depth), candidates, tree_lookup)
+                     ancestor_matrix(tree_parents, max_depth), candidates, *flags)
 
 
 def ancestor_matrix(parents: torch.Tensor, max_depth: int) -> torch.Tensor:

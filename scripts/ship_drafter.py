@@ -4,7 +4,8 @@
 
 Stores bf16 weights (the package carries the modeling code, so no remote-code copies and no
 `auto_map`), keeps the drafter's `acceptance_profile` and draft vocabulary, sets `tree_budget="auto"`
-and `tree_lookup`, and writes the model card with the given acceptance table.
+and `tree_lookup`, and writes the model card (`hf_treespark.card.model_card`) with the given acceptance
+table and the drafter's `acceptance_profile`.
 """
 
 from __future__ import annotations

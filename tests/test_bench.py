@@ -111,7 +111,7 @@ def test_calibrate_writes_an_acceptance_profile_the_drafter_loads(tmp_path):
     assert set(profile) == {"2", "8"} and all(t >= 1.0 for t in profile.values())
 
 
-def test_profile_reports_every_phase_in_plain_steps(tmp_path, capsys, monkeypatch):
+def test_profile_reports_every_phase_in_plain_steps(tmp_path, capsys, monkeypatch, recwarn):
     monkeypatch.setenv("HF_TREESPARK_CACHE", str(tmp_path / "cache"))
     rc = bench.main(["--profile", "--smoke", "--suites", "mtbench", "--dtype", "fp32", "--output-dir", str(tmp_path)])
     assert rc == 0
@@ -122,7 +122,9 @@ def test_profile_reports_every_phase_in_plain_steps(tmp_path, capsys, monkeypatc
         assert row["rounds"] > 0 and all(row["ms"][p] > 0 for p in ("draft", "tree", "verify", "walk", "commit"))
         assert sum(row["ms"].values()) == pytest.approx(row["round_ms"])
         assert row["round_in_plain_steps"] == pytest.approx(row["round_ms"] / profile["plain_step_ms"])
-    assert (tmp_path / "cache" / "round_latency.json").is_file()  # first use measured this machine once
+    # first use measured this machine once: stored, or (on a busy machine) said why not
+    assert (tmp_path / "cache" / "round_latency.json").is_file() or any(
+        "not stored" in str(w.message) for w in recwarn)
     assert "round / plain step" in capsys.readouterr().out
 
 

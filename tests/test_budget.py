@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +23,14 @@ from hf_treespark.tree import TreePolicy
 @pytest.fixture
 def latency_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_TREESPARK_CACHE", str(tmp_path))
+    monkeypatch.setattr(budget, "_warned", set())  # each test sees its own first warnings
     return tmp_path / budget.LATENCY_FILE
+
+
+def steady_table(budgets, load=0.0) -> dict:
+    """A plausible measurement: verify grows with N, the drafter's pass is flat."""
+    return {"verify": {n: 0.040 * (1 + n / 16) for n in (0, *budgets)}, "draft": {n: 0.010 for n in budgets},
+            "others_load": load}
 
 
 def test_profile_interpolation_hits_measured_points_and_never_extrapolates():
@@ -56,15 +70,16 @@ def test_latency_is_measured_once_and_cached(latency_cache, monkeypatch):
     drafter = make_drafter(target)
     policy = TreePolicy(budget=8)
     calls = []
-    real = budget.measure_round_latency
-    monkeypatch.setattr(budget, "measure_round_latency", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(budget, "measure_round_latency", lambda *a, **k: calls.append(1) or steady_table((2, 8)))
     first = budget.round_latency(target, drafter, policy, budgets=(2, 8), context=16)
     # verify[0] is a plain step (one token), the drafter gate's unit
     assert set(first["verify"]) == {0, 2, 8} and all(s > 0 for s in first["verify"].values())
     second = budget.round_latency(target, drafter, policy, budgets=(2, 8), context=16)
     assert len(calls) == 1 and second == first
     latency_cache.write_text("{ not json")  # a damaged cache is measured again, not trusted
-    budget.round_latency(target, drafter, policy, budgets=(2, 8), context=16)
+    monkeypatch.setattr(budget, "_in_memory", {})  # as in a new process, which reads the file
+    with pytest.warns(budget.LatencyCacheWarning, match="not JSON"):
+        budget.round_latency(target, drafter, policy, budgets=(2, 8), context=16)
     assert len(calls) == 2 and json.loads(latency_cache.read_text())
 
 
@@ -158,3 +173,284 @@ def test_calibrated_acceptance_prices_drafter_rounds_without_lookup(monkeypatch)
     (out,) = seen
     assert sum(r.lookup_accepted for r in out.rounds) == 0
     assert profile["4"] == pytest.approx(sum(len(r.committed) for r in out.rounds) / len(out.rounds))
+
+
+def test_a_real_measurement_times_every_budget_and_says_how_busy_the_machine_was(latency_cache):
+    target = make_target("llama")
+    drafter = make_drafter(target)
+    measured = budget.measure_round_latency(target, drafter, TreePolicy(budget=8), budgets=(2, 8), context=16,
+                                            repeats=2)
+    assert set(measured["verify"]) == {0, 2, 8} and set(measured["draft"]) == {2, 8}
+    assert all(0 < s < 60 for part in ("verify", "draft") for s in measured[part].values())
+    assert measured["others_load"] is None or measured["others_load"] >= 0.0
+
+
+@pytest.mark.parametrize(("table", "problem"), [
+    ({"verify": {0: 0.04, 2: 0.0, 8: 0.05}, "draft": {2: 0.01, 8: 0.01}}, r"verify\[2\] = 0.0 is not a time"),
+    ({"verify": {0: 0.04, 2: "fast", 8: 0.05}, "draft": {2: 0.01, 8: 0.01}}, "'fast' is not a time"),
+    ({"verify": {0: 0.04, 2: True, 8: 0.05}, "draft": {2: 0.01, 8: 0.01}}, "True is not a time"),
+    ({"verify": {0: 0.04, 2: math.inf, 8: 0.05}, "draft": {2: 0.01, 8: 0.01}}, "inf is not a time"),
+    ({"verify": {0: 0.04, 2: 0.045}, "draft": {2: 0.01, 8: 0.01}}, r"verify lacks the budgets \[8\]"),
+    ({"verify": {0: 0.04, 2: 0.045, 8: 0.05}}, "'draft' is missing"),
+    ({"verify": {0: 0.04, "two": 0.045, 8: 0.05}, "draft": {2: 0.01, 8: 0.01}}, "'two', not a number"),
+    ([1, 2], "a list, not a table"),
+    # the busy machine of the report: 339 ms to draft at budget 2, 9 ms at 8
+    ({"verify": {0: 0.04, 2: 0.045, 8: 0.05}, "draft": {2: 0.339, 8: 0.009}}, "draft time falls"),
+    ({"verify": {0: 0.04, 2: 0.090, 8: 0.05}, "draft": {2: 0.01, 8: 0.01}}, "verify time falls"),
+    ({"verify": {0: 0.04, 2: 0.045, 8: 0.05}, "draft": {2: 0.01, 8: 0.09}}, "more than 4x apart"),
+])
+def test_unusable_and_implausible_tables_are_named(table, problem):
+    assert re.search(problem, budget.latency_problem(table, (2, 8)))
+
+
+def test_a_steady_table_passes_and_noise_within_tolerance_is_allowed():
+    assert budget.latency_problem(steady_table((2, 8)), (2, 8)) is None
+    noisy = steady_table((2, 4, 8))
+    noisy["verify"][4] = noisy["verify"][2] * 0.9  # 10% below a smaller budget: measurement noise
+    assert budget.latency_problem(noisy, (2, 4, 8)) is None
+
+
+def _cache_entry(target, drafter, table) -> dict:
+    key = budget.latency_key(target, drafter, TreePolicy.from_config(drafter.config), 256)
+    return {key: {part: {str(n): s for n, s in table[part].items()} for part in ("verify", "draft")}}
+
+
+DAMAGED = {
+    "not utf-8": (lambda t, d: b"\xff\xfe\x00 not text", "not UTF-8"),
+    "not json": (lambda t, d: b"{ not json", "not JSON"),
+    "a list": (lambda t, d: b"[1, 2, 3]", "holds a list"),
+    "zeros": (lambda t, d: json.dumps(_cache_entry(t, d, {"verify": {n: 0 for n in (0, 2, 4, 8)},
+                                                           "draft": {n: 0 for n in (2, 4, 8)}})).encode(),
+              "is not a time"),
+    "strings": (lambda t, d: json.dumps(_cache_entry(t, d, {"verify": {n: "1" for n in (0, 2, 4, 8)},
+                                                             "draft": {n: "1" for n in (2, 4, 8)}})).encode(),
+                "is not a time"),
+    "missing keys": (lambda t, d: json.dumps({k: {"verify": {"0": 0.01}}
+                                               for k in _cache_entry(t, d, steady_table((2,)))}).encode(),
+                     "verify lacks the budgets"),
+    "not monotone": (lambda t, d: json.dumps(_cache_entry(t, d, {  # a burst of load in the middle of measuring
+        "verify": {n: 0.3 if n == 2 else 0.04 * (1 + n / 16) for n in (0, *budget.CANDIDATE_BUDGETS)},
+        "draft": {n: 0.339 if n == 2 else 0.009 for n in budget.CANDIDATE_BUDGETS}})).encode(),
+                     "falls from"),
+}
+
+
+@pytest.mark.parametrize("case", DAMAGED)
+def test_a_damaged_cache_gives_one_warning_naming_the_file_and_decoding_goes_on(latency_cache, case):
+    target = make_target("llama")
+    drafter = make_drafter(target, tree_budget="auto", tree_topk=2, tree_frontier=2, tree_depth=4)
+    make, problem = DAMAGED[case]
+    latency_cache.write_bytes(make(target, drafter))
+    ids = torch.randint(4, 100, (1, 9), generator=torch.Generator().manual_seed(3))
+    ref = target.generate(ids, do_sample=False, max_new_tokens=12)
+    with pytest.warns(budget.LatencyCacheWarning) as caught:
+        for _ in range(2):  # said once, not on every call
+            out = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=12,
+                                  return_dict_in_generate=True, tree_lookup=3)
+            assert torch.equal(out.sequences, ref)
+            assert out.tree_budget == budget.FALLBACK_BUDGET["cpu"]
+    messages = [str(w.message) for w in caught if issubclass(w.category, budget.LatencyCacheWarning)]
+    assert len(messages) == 1 and str(latency_cache) in messages[0] and re.search(problem, messages[0])
+
+
+def test_a_directory_as_the_cache_path_is_found_before_measuring(latency_cache, monkeypatch):
+    latency_cache.mkdir()
+    target = make_target("llama")
+    drafter = make_drafter(target, tree_budget="auto")
+    events = []
+    monkeypatch.setattr(budget, "measure_round_latency",
+                        lambda *a, **k: events.append("measure") or steady_table(a[3]))
+    monkeypatch.setattr(budget, "warnings", SimpleNamespace(warn=lambda message, *a, **k: events.append(message)))
+    latency = budget.calibrate_latency(target, drafter)
+    assert events[1:] == ["measure"]  # one warning, before measuring
+    assert "is a directory" in events[0] and "HF_TREESPARK_CACHE" in events[0]
+    assert latency is not None and budget.has_latency(target, drafter)  # kept for this process
+    assert latency_cache.is_dir()
+
+
+@pytest.mark.skipif(not Path("/proc/self").exists(), reason="needs a location nobody can create (Linux /proc)")
+def test_an_unwritable_cache_location_means_no_caching_and_a_correct_answer(monkeypatch):
+    monkeypatch.setenv("HF_TREESPARK_CACHE", "/proc/hf_treespark_cannot_exist")
+    monkeypatch.setattr(budget, "_warned", set())
+    monkeypatch.setattr(budget, "measure_round_latency", lambda *a, **k: steady_table(a[3]))
+    target = make_target("llama")
+    drafter = make_drafter(target, tree_budget="auto")
+    with pytest.warns(budget.LatencyCacheWarning, match="HF_TREESPARK_CACHE"):
+        budget.ensure_latency(target, drafter, quiet=True)
+    ids = torch.randint(4, 100, (1, 9), generator=torch.Generator().manual_seed(3))
+    out = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=12)
+    assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=12))
+
+
+def _store_many(path: str, prefix: str, start, count: int) -> None:
+    start.wait()
+    for i in range(count):
+        budget._store(Path(path), f"{prefix}{i}", {"verify": {"0": 0.01}, "draft": {}})
+
+
+def test_two_processes_writing_at_once_lose_nothing(latency_cache):
+    context = multiprocessing.get_context("spawn")
+    start = context.Event()
+    writers = [context.Process(target=_store_many, args=(str(latency_cache), prefix, start, 25))
+               for prefix in ("fp32-", "bf16-")]
+    for writer in writers:
+        writer.start()
+    start.set()
+    for writer in writers:
+        writer.join(60)
+        assert writer.exitcode == 0
+    table = json.loads(latency_cache.read_text())
+    assert set(table) == {f"{p}{i}" for p in ("fp32-", "bf16-") for i in range(25)}
+
+
+@pytest.mark.parametrize(("load", "shape_ok"), [(1.2, True), (0.0, False)])
+def test_a_measurement_that_fails_its_check_twice_is_not_stored(latency_cache, monkeypatch, load, shape_ok):
+    target = make_target("llama")
+    drafter = make_drafter(target, tree_budget="auto")
+    calls = []
+
+    def measure(*args, **kwargs):
+        calls.append(1)
+        table = steady_table(args[3], load)
+        if not shape_ok:
+            table["draft"][2] = 0.339
+        return table
+
+    monkeypatch.setattr(budget, "measure_round_latency", measure)
+    with pytest.warns(budget.LatencyCacheWarning, match="not stored.*uses its default"):
+        assert budget.calibrate_latency(target, drafter) is None
+    assert len(calls) == 2 and not latency_cache.exists() and not budget.has_latency(target, drafter)
+    budget.ensure_latency(target, drafter, quiet=True)
+    assert len(calls) == 2  # one attempt per process: later calls do not measure again
+
+
+def test_a_measurement_that_passes_on_the_second_try_is_stored(latency_cache, monkeypatch):
+    target = make_target("llama")
+    drafter = make_drafter(target, tree_budget="auto")
+    loads = [1.5, 0.05]
+    monkeypatch.setattr(budget, "measure_round_latency", lambda *a, **k: steady_table(a[3], loads.pop(0)))
+    assert budget.calibrate_latency(target, drafter) is not None
+    assert not loads and budget.has_latency(target, drafter) and latency_cache.is_file()
+
+
+def test_calibration_beside_a_cpu_bound_process_stores_nothing(latency_cache):
+    """A CPU-bound process on one core during the real measurement: the table is not kept."""
+    target = make_target("llama")
+    drafter = make_drafter(target, tree_budget="auto")
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)
+        with pytest.warns(budget.LatencyCacheWarning, match="CPU cores busy"):
+            assert budget.calibrate_latency(target, drafter) is None
+    finally:
+        busy.kill()
+        busy.wait()
+    assert not latency_cache.exists()
+    assert budget.auto_budget(target, drafter, TreePolicy.from_config(drafter.config)) == \
+        budget.FALLBACK_BUDGET["cpu"]
+
+
+@pytest.mark.parametrize("variant", ["fp16", "fixed budget", "restricted vocabulary"])
+def test_the_gate_stays_open_for_a_paying_drafter_without_a_cached_latency(latency_cache, variant):
+    dtype = torch.float16 if variant == "fp16" else torch.float32
+    target = make_target("llama", dtype=dtype)
+    paying = {"2": 1.6, "4": 1.9, "8": 2.0}  # 0.6-1.0 drafted tokens per round: more than the fallback's 0.35
+    drafter = make_drafter(target, tree_budget=4 if variant == "fixed budget" else "auto", tree_lookup=4,
+                           acceptance_profile=paying)
+    if variant == "restricted vocabulary":
+        drafter.restrict_vocabulary(list(range(4, 100)))
+    policy = TreePolicy.from_config(drafter.config, vocab_size=drafter.draft_vocab_size)
+    assert not budget.has_latency(target, drafter, policy)
+    assert budget.gate_threshold(target, drafter, policy) == 0.0
+    weak = make_drafter(target, tree_budget="auto", tree_lookup=4, acceptance_profile={"2": 1.1, "4": 1.2})
+    assert budget.gate_threshold(target, weak, policy) == budget.FALLBACK_GATE["cpu"]
+    # decoding with the open gate drafts in every round that is not lookup-only (this random drafter never gets a
+    # token accepted, so a running gate would have closed after its first round)
+    ids = torch.randint(4, 100, (1, 9), generator=torch.Generator().manual_seed(5))
+    out = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=16,
+                          return_dict_in_generate=True, tree_budget=4)
+    assert all(r.tree_size >= 4 for r in out.rounds if r.lookup_accepted == 0 and r.num_accepted == 0)
+
+
+# `treespark calibrate`: bad input and unwritable directories are refused before anything is measured
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    from hf_treespark import cli
+
+    monkeypatch.setattr(cli, "_load_pair", lambda args: pytest.fail("models were loaded before the check"))
+    return cli
+
+
+@pytest.fixture
+def drafter_dir(tmp_path):
+    target = make_target("llama")
+    make_drafter(target, tree_budget="auto", acceptance_profile={"2": 1.5}).save_pretrained(tmp_path / "drafter")
+    return tmp_path / "drafter"
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--num-prompts", "0"], "--num-prompts: must be a whole number >= 1, got '0'"),
+    (["--num-prompts", "-1"], "--num-prompts: must be a whole number >= 1, got '-1'"),
+    (["--max-new-tokens", "0"], "--max-new-tokens"),
+])
+def test_calibrate_refuses_counts_below_one(no_loading, drafter_dir, argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        no_loading.main(["calibrate", "--drafter", str(drafter_dir), *argv])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_calibrate_refuses_a_budget_no_tree_can_use(no_loading, drafter_dir, capsys):
+    assert no_loading.main(["calibrate", "--drafter", str(drafter_dir), "--budgets", "2,100000"]) == 2
+    err = capsys.readouterr().err
+    assert "budget 100000 is never used" in err and "at most" in err
+
+
+def test_calibrate_refuses_a_directory_it_cannot_write_before_measuring(no_loading, drafter_dir, monkeypatch, capsys):
+    from hf_treespark import storage
+
+    before = (drafter_dir / "config.json").read_text()
+    monkeypatch.setattr(storage, "unwritable_reason",
+                        lambda folder: "Read-only file system" if Path(folder) == drafter_dir else None)
+    assert no_loading.main(["calibrate", "--drafter", str(drafter_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write the acceptance profile" in err and str(drafter_dir) in err
+    assert (drafter_dir / "config.json").read_text() == before
+
+
+def test_calibrate_names_a_damaged_config(no_loading, drafter_dir, capsys):
+    (drafter_dir / "config.json").write_bytes(b"\xff{ broken")
+    assert no_loading.main(["calibrate", "--drafter", str(drafter_dir)]) == 2
+    assert str(drafter_dir / "config.json") in capsys.readouterr().err
+
+
+def test_calibrate_never_writes_a_profile_that_would_not_load(drafter_dir, monkeypatch, capsys, latency_cache):
+    from hf_treespark import cli
+
+    target = make_target("llama")
+    monkeypatch.setattr(cli, "_load_pair", lambda args: (target, None, TreeSparkDrafter.from_pretrained(drafter_dir)))
+    monkeypatch.setattr(budget, "measure_round_latency", lambda *a, **k: steady_table(a[3]))
+    monkeypatch.setattr(budget, "calibrate_acceptance", lambda *a, **k: {"2": 0.0})  # as 0 prompts once gave
+    monkeypatch.setattr(cli, "_calibration_prompts", lambda args, tokenizer: [{"input_ids": torch.ones(1, 3)}])
+    before = (drafter_dir / "config.json").read_text()
+    assert cli.main(["calibrate", "--drafter", str(drafter_dir), "--budgets", "2"]) == 2
+    assert "acceptance_profile" in capsys.readouterr().err
+    assert (drafter_dir / "config.json").read_text() == before
+    TreeSparkDrafter.from_pretrained(drafter_dir)  # still loads
+
+
+def test_calibrate_shows_the_latency_table_and_the_budget_it_implies(drafter_dir, monkeypatch, capsys, latency_cache):
+    from hf_treespark import cli
+
+    target = make_target("llama")
+    monkeypatch.setattr(cli, "_load_pair", lambda args: (target, None, TreeSparkDrafter.from_pretrained(drafter_dir)))
+    calls = []
+    monkeypatch.setattr(budget, "measure_round_latency", lambda *a, **k: calls.append(1) or steady_table(a[3]))
+    assert cli.main(["calibrate", "--drafter", str(drafter_dir), "--latency-only"]) == 0
+    assert cli.main(["calibrate", "--drafter", str(drafter_dir), "--latency-only"]) == 0
+    assert len(calls) == 1  # cached
+    assert cli.main(["calibrate", "--drafter", str(drafter_dir), "--latency-only", "--force"]) == 0
+    assert len(calls) == 2  # --force measures again
+    out = capsys.readouterr().out
+    assert "plain step" in out and "verify ms" in out and "<- auto" in out

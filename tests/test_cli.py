@@ -63,6 +63,39 @@ def test_version_and_help_with_defaults(capsys):
         assert shown in " ".join(capsys.readouterr().out.split()), command  # help text wraps lines
 
 
+_ENTRY = """
+import sys
+import hf_treespark_cli
+try:
+    code = hf_treespark_cli.main(sys.argv[1:])
+except SystemExit as done:
+    code = done.code
+heavy = sorted(name for name in ("torch", "transformers") if name in sys.modules)
+package = sys.modules.get("hf_treespark")
+print("RESULT", code, heavy, hasattr(package, "TreeSparkDrafter"))
+"""
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["generate", "--help"], ["demo", "--help"],
+                                  ["push", "--help"], ["generate"]])
+def test_the_console_command_parses_without_importing_torch(argv):
+    """`treespark --help` took 6 s importing torch and transformers; parsing needs neither."""
+    assert 'treespark = "hf_treespark_cli:main"' in (REPO / "pyproject.toml").read_text()  # the console script
+    proc = subprocess.run([sys.executable, "-c", _ENTRY, *argv], capture_output=True, text=True, timeout=120,
+                          cwd=REPO)
+    result = proc.stdout.strip().splitlines()[-1]
+    assert result == f"RESULT {2 if argv == ['generate'] else 0} [] False", proc.stdout + proc.stderr
+
+
+def test_the_console_command_runs_a_command_with_the_package_imported_whole():
+    """Once parsed, the command runs after `import hf_treespark` (drafter registered, generate() routed)."""
+    proc = subprocess.run([sys.executable, "-c", _ENTRY, "push", "--drafter", "/no/such/drafter", "--repo-id", "a/b"],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.stdout.strip().splitlines()[-1] == "RESULT 2 ['torch', 'transformers'] True"
+    assert proc.stderr.strip() == ("treespark: error: --drafter '/no/such/drafter': no drafter directory there "
+                                   "(config.json missing); give the final/ directory of a training run")
+
+
 def test_push_uploads_the_drafter_with_its_card_without_network(tmp_path, monkeypatch, capsys):
     from conftest import make_drafter, make_target
     from huggingface_hub import HfApi
@@ -89,7 +122,8 @@ def test_push_uploads_the_drafter_with_its_card_without_network(tmp_path, monkey
     _, repo, files, dtype = calls[1]
     assert repo == "org/tiny-drafter" and dtype == "bfloat16"  # uploaded in the dtype it was saved in
     assert {"README.md", "config.json", "model.safetensors", "modeling.py", "configuration.py"} <= set(files)
-    assert "uploaded to https://hub.example/org/tiny-drafter/commit/1" in capsys.readouterr().out
+    assert ("uploaded to https://hub.example/org/tiny-drafter/commit/1, model card: its own README.md"
+            in capsys.readouterr().out)  # the directory's card, not a regenerated one
 
     calls.clear()
     assert main(["push", "--drafter", str(tmp_path / "nothing"), "--repo-id", "org/x"]) == 2
@@ -196,6 +230,32 @@ def test_demo_honours_gradio_server_name_and_port_unless_flags_are_given(demo_ca
     assert "GRADIO_SERVER_PORT='http' is not a port number" in capsys.readouterr().err
 
 
+def test_demo_checks_its_address_before_importing_gradio(demo_calls, monkeypatch, capsys):
+    """gradio's own import reads GRADIO_SERVER_PORT and fails on a bad one with a traceback: our check runs first."""
+    from hf_treespark import demo
+
+    imported = []
+    monkeypatch.setattr(demo, "import_gradio", lambda: imported.append(True))
+    monkeypatch.setenv("GRADIO_SERVER_PORT", "abc")
+    assert main(["demo"]) == 2
+    assert capsys.readouterr().err.strip() == ("treespark: error: GRADIO_SERVER_PORT='abc' is not a port number: "
+                                               "set it to one in 1-65535")
+    assert not imported and "built" not in demo_calls
+
+
+def test_generate_refuses_a_prompt_that_is_not_utf8_before_loading_models(monkeypatch, capsys):
+    """Bytes that are not UTF-8 reach Python as lone surrogates (`--prompt $'\\xff\\xfe'`); the tokenizer would fail
+    on them with a traceback after the models load."""
+    monkeypatch.setattr(cli, "_load_pair", lambda args: pytest.fail("models loaded"))
+    with pytest.raises(SystemExit) as done:
+        main(["generate", "--prompt", b"\xff\xfe".decode("utf-8", "surrogateescape")])
+    assert done.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == ("treespark: error: --prompt is not valid UTF-8 text (the shell "
+                                                        "passed bytes that are not): give it as UTF-8")
+    with pytest.raises(ValueError, match="not valid UTF-8 text"):
+        assets.chat_inputs(None, "caf\udce9")
+
+
 def test_demo_defaults_to_127_0_0_1_port_7860(demo_calls):
     with socket.socket() as probe:  # skip when something else already serves there
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -205,3 +265,10 @@ def test_demo_defaults_to_127_0_0_1_port_7860(demo_calls):
             pytest.skip("port 7860 is in use on this machine")
     assert main(["demo"]) == 0
     assert (demo_calls["launch"]["host"], demo_calls["launch"]["port"]) == ("127.0.0.1", 7860)
+
+
+def test_the_command_lines_dtype_choices_are_the_loaders():
+    """`--dtype`'s choices are written out in help_format (no torch there); they must be what the loaders take."""
+    from hf_treespark import help_format, precision
+
+    assert help_format.DTYPE_CHOICES == precision.DTYPE_CHOICES

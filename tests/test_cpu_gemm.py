@@ -96,3 +96,41 @@ def test_loaders_pack_on_a_cpu_unless_told_not_to():
     assert should_pack("auto", "cpu") and not should_pack("auto", "cuda") and should_pack(True, "cpu")
     with pytest.raises(ValueError, match="cpu_pack='yes' is invalid"):
         should_pack("yes", "cpu")
+
+
+def test_packed_models_deep_copy_and_save_after_a_forward(tmp_path):
+    """The packed weight is an opaque tensor without storage: copies and pickles carry an empty cache instead."""
+    import copy
+
+    target = make_target("llama")
+    drafter = make_drafter(target).restrict_vocabulary(list(range(100)))  # a packed draft head of its own
+    pack_linear_layers(target)
+    pack_linear_layers(drafter)
+    prompt = torch.tensor([[1, 17, 42, 9, 88, 5]])
+    with torch.no_grad():
+        logits = target(prompt).logits  # every layer of the target has packed its weight now
+    # (after a forward with output_hidden_states, which tree decoding runs, transformers' own output-capturing
+    # hooks make `torch.save(target)` fail whether or not the model is packed: save the state_dict there)
+    torch.save(target, tmp_path / "target.pt")
+    expected = hf_treespark.generate(target, drafter, prompt, max_new_tokens=12, eos_token_id=None)
+
+    target_copy, drafter_copy = copy.deepcopy(target), copy.deepcopy(drafter)
+    torch.save(drafter, tmp_path / "drafter.pt")
+    torch.save(target.state_dict(), tmp_path / "target_state.pt")
+    target.save_pretrained(tmp_path / "target")
+    drafter.save_pretrained(tmp_path / "drafter")
+    loaded_target = torch.load(tmp_path / "target.pt", weights_only=False)
+    loaded_drafter = torch.load(tmp_path / "drafter.pt", weights_only=False)
+    assert not drafter_copy.is_bound and not loaded_drafter.is_bound  # the target's LM head is not copied along
+
+    for t, d in [(target_copy, drafter_copy), (loaded_target, loaded_drafter)]:
+        assert model_is_packed(t) and model_is_packed(d)
+        layer = t.model.layers[0].mlp.down_proj
+        assert layer.forward.module is layer  # the copy's layers compute with their own weights
+        with torch.no_grad():
+            assert torch.equal(t(prompt).logits, logits)
+        assert torch.equal(hf_treespark.generate(t, d, prompt, max_new_tokens=12, eos_token_id=None), expected)
+    with torch.no_grad():  # the copy follows its own weights, not the original's
+        target_copy.lm_head.weight.mul_(0.5)
+        assert torch.equal(target(prompt).logits, logits)
+        assert not torch.equal(target_copy(prompt).logits, logits)

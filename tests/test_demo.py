@@ -33,7 +33,10 @@ from hf_treespark.lookup import LOOKUP_LONG_TOKENS
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "Explain what a binary search does."
-MAX_NEW_TOKENS = 24
+# The README's screenshot (HF_TREESPARK_DEMO_SCREENSHOT) shows the shipped drafter at its default settings
+# (tree budget "auto") over a longer answer, so that its speed figures mean something.
+SCREENSHOT = bool(os.environ.get("HF_TREESPARK_DEMO_SCREENSHOT"))
+MAX_NEW_TOKENS = 96 if SCREENSHOT else 24
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
@@ -270,8 +273,9 @@ def test_browser_shows_round_bands_the_tree_and_the_greedy_check(app_url, models
             max_tokens.fill(str(MAX_NEW_TOKENS))
             max_tokens.press("Enter")
             budget = page.locator("#ts-budget input[type=number]")  # the shipped default is "auto"
-            budget.fill("8")
-            budget.press("Enter")
+            if not SCREENSHOT:
+                budget.fill("8")
+                budget.press("Enter")
             page.click("#ts-generate")
             page.wait_for_selector(".ts-round", timeout=300_000)  # bands stream in, round by round
             page.wait_for_selector(".ts-tree-svg", timeout=600_000)  # the run finished: trees drawn
@@ -290,8 +294,10 @@ def test_browser_shows_round_bands_the_tree_and_the_greedy_check(app_url, models
             assert page.locator(".ts-node.ts-root").count() == 1
             verified = page.locator(".ts-node.ts-packed, .ts-node.ts-accepted").count()
             # the tree budget, plus at most tree_lookup nodes that lookup branches add (lookup.py)
-            assert 8 <= verified <= 8 + models[2].config.tree_lookup
-            assert page.locator(".ts-node.ts-pruned").count() > 0
+            if not SCREENSHOT:
+                assert 8 <= verified <= 8 + models[2].config.tree_lookup
+            if not SCREENSHOT:  # the last round of a longer answer can be lookup-only: nothing pruned
+                assert page.locator(".ts-node.ts-pruned").count() > 0
             assert f"of {rounds}" in page.locator(".ts-tree-caption").text_content()
             assert page.locator("#ts-histogram canvas, #ts-histogram svg").count() > 0
             assert path.stat().st_size > 10_000

@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import VOCAB, make_drafter, make_target
 from test_generation import TREE_SHAPES, prompt
-from test_hub import REMOTE_CODE_SCRIPT, draft_outputs, tiny_drafter, tiny_target
+from test_hub import REMOTE_CODE_SCRIPT, V, draft_outputs, tiny_drafter, tiny_target
 
 from hf_treespark import TreeSparkDrafter
 from hf_treespark.draft_vocab import count_token_ids, coverage, rank_token_ids
@@ -78,6 +78,43 @@ def test_restrict_refuses_ids_outside_the_current_vocabulary():
         make_drafter(target).restrict_vocabulary([5, 5])
 
 
+@pytest.mark.parametrize("bad", ["abc", b"ab", 7, 3.5, [1.5, 2.5], [True, False], torch.tensor([1.0, 2.0]),
+                                 {"a": 1}, [[1, 2], [3]]])
+def test_restrict_refuses_what_is_not_a_list_of_integer_ids(bad):
+    with pytest.raises(TypeError, match="restrict_vocabulary: token_ids must be"):
+        make_drafter(make_target("llama")).restrict_vocabulary(bad)
+
+
+@pytest.mark.parametrize("bad, message", [([], "no ids"), ([5, -1], "id -1 outside"),
+                                          ([5, VOCAB], f"id {VOCAB} outside"), ([5, 6, 5], "id 5 appears 2 times")])
+def test_restrict_refuses_ids_that_are_not_a_draft_vocabulary(bad, message):
+    with pytest.raises(ValueError, match=f"restrict_vocabulary: .*{message}"):
+        make_drafter(make_target("llama")).restrict_vocabulary(bad)
+
+
+@pytest.mark.parametrize("position, value, message", [(0, 10**6, "id 1000000 outside the target's vocabulary"),
+                                                      (3, -3, "id -3 outside"), (0, 59, "id 59 appears 2 times")])
+def test_a_damaged_draft_vocab_ids_buffer_is_refused_at_load_naming_the_file(tmp_path, position, value, message):
+    """An out-of-range id used to load and fail in generate() with IndexError; a negative or repeated one loaded
+    silently (a repeated id wastes tree slots)."""
+    from safetensors.torch import load_file, save_file
+
+    target = tiny_target()
+    drafter = tiny_drafter(target).restrict_vocabulary(list(range(60, 10, -1)))
+    drafter.save_pretrained(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    state["draft_vocab_ids"][position] = value
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(OSError, match=f"{tmp_path / 'model.safetensors'}: its draft_vocab_ids buffer is damaged "
+                                      f"\\({message}"):
+        TreeSparkDrafter.from_pretrained(tmp_path)
+    fresh = tiny_drafter(target).restrict_vocabulary(list(range(60, 10, -1)))
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(ValueError, match=f"draft_vocab_ids is damaged \\({message}.*nothing was loaded"):
+        fresh.load_state_dict(state)
+    assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())  # not half-loaded
+
+
 def test_save_load_round_trip_keeps_the_ranking(tmp_path):
     target = tiny_target()
     drafter = tiny_drafter(target).restrict_vocabulary(list(range(60, 10, -1)))
@@ -137,6 +174,60 @@ def test_ranking_counts_ids_and_texts_and_names_bad_lines(tmp_path):
     data.write_text('{"response_ids": [1, 2]}\n{not json}\n')
     with pytest.raises(ValueError, match=r"refs.jsonl:2: not a JSON line"):
         count_token_ids([data])
+
+
+def test_ranking_reads_what_train_reads_gzip_included_and_names_the_file_of_bad_data(tmp_path):
+    """`.jsonl.gz` (the repository's own training_data/ too) used to fail with a bare UTF-8 error, an empty file
+    to rank nothing (and save a drafter at 0% coverage), and true/false to count as ids 1 and 0."""
+    import gzip
+
+    repository_data = sorted((Path(__file__).resolve().parents[1] / "training_data").glob("*.jsonl.gz"))
+    assert repository_data and sum(count_token_ids(repository_data[:1]).values()) > 100_000
+    plain = tmp_path / "refs.jsonl"
+    plain.write_text(json.dumps({"response_ids": [5, 5, 9]}) + "\n\n" + json.dumps({"output_ids": [9, 2]}) + "\n")
+    packed = tmp_path / "refs.jsonl.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    assert count_token_ids([packed]) == count_token_ids([plain]) == Counter({5: 2, 9: 2, 2: 1})
+    for name, content, message in [
+        ("empty.jsonl", "", "empty.jsonl: no token ids in it"),
+        ("blank.jsonl", "\n  \n", "blank.jsonl: no token ids in it"),
+        ("hollow.jsonl", '{"response_ids": []}\n', "hollow.jsonl: no token ids in it"),
+        ("bools.jsonl", '{"response_ids": [3]}\n{"response_ids": [true, false]}\n',
+         "bools.jsonl:2: 'response_ids': token ids must be a list of integers >= 0"),
+        ("negative.jsonl", '{"ids": [3, -1]}\n', "negative.jsonl:1: 'ids': token ids must be a list of integers"),
+        ("floats.jsonl", '{"ids": [3, 4.0]}\n', "floats.jsonl:1: 'ids': token ids must be a list of integers"),
+        ("scalar.jsonl", '{"ids": 7}\n', "scalar.jsonl:1: 'ids': token ids must be a list of integers"),
+        ("large.jsonl", '{"ids": [3]}\n{"ids": [3, 128]}\n', "large.jsonl:2: 'ids' holds token id 128, outside the "
+                                                             r"target's vocabulary \[0, 128\)"),
+    ]:
+        (tmp_path / name).write_text(content)
+        with pytest.raises(ValueError, match=message):
+            count_token_ids([plain, tmp_path / name], vocab_size=128)
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"ids": [3]}\n{"response": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"latin1\.jsonl:2: not UTF-8 text"):
+        count_token_ids([tmp_path / "latin1.jsonl"])
+
+
+def test_draft_vocab_command_refuses_an_empty_file_and_a_bad_size_before_writing(tmp_path, capsys):
+    import gzip
+
+    from hf_treespark.cli import main
+
+    target = tiny_target()
+    tiny_drafter(target).save_pretrained(tmp_path / "drafter")
+    data = tmp_path / "refs.jsonl.gz"
+    data.write_bytes(gzip.compress(b"".join(json.dumps({"response_ids": [i % 40 + 5] * 3}).encode() + b"\n"
+                                            for i in range(60))))
+    (tmp_path / "empty.jsonl").write_text("")
+    common = ["draft-vocab", "--drafter", str(tmp_path / "drafter"), "--output", str(tmp_path / "a")]
+    assert main([*common, "--data", str(tmp_path / "empty.jsonl"), "--size", "32"]) == 2
+    assert "empty.jsonl: no token ids in it" in capsys.readouterr().err
+    assert main([*common, "--data", str(data), "--size", str(V + 1)]) == 2
+    assert f"--size {V + 1} must lie in [1, {V}]" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists()  # nothing saved
+    assert main([*common, "--data", str(data), "--size", "32"]) == 0
+    assert "the 32 most frequent cover 86.7%" in capsys.readouterr().out
+    assert TreeSparkDrafter.from_pretrained(tmp_path / "a").draft_vocab_ids.tolist()[:3] == [5, 6, 7]
 
 
 @pytest.mark.slow

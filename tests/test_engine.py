@@ -214,6 +214,9 @@ def test_auto_budget_after_calibration_packs_the_first_pool_once(tmp_path, monke
     monkeypatch.setenv("HF_TREESPARK_CACHE", str(tmp_path))
     target = make_target("qwen3")
     drafter = make_drafter(target, tree_budget="auto", acceptance_profile=profile)
+    steady = {"verify": {n: 0.002 * (1 + n / 16) for n in (0, *budget.CANDIDATE_BUDGETS)},
+              "draft": {n: 0.001 for n in budget.CANDIDATE_BUDGETS}, "others_load": 0.0}
+    monkeypatch.setattr(budget, "measure_round_latency", lambda *a, **k: steady)  # this machine's load aside
     budget.calibrate_latency(target, drafter)
     assert budget.has_latency(target, drafter)
     from hf_treespark import engine

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import VOCAB, make_drafter, make_target
@@ -11,7 +12,7 @@ from transformers.generation.streamers import BaseStreamer
 import hf_treespark
 from hf_treespark import TreeSparkDrafter
 from hf_treespark.exactness import check_greedy_equivalence
-from hf_treespark.generation import TreeSparkCandidateGenerator
+from hf_treespark.generation import TreeSparkCandidateGenerator, resolve_gate
 from hf_treespark.tree import TreePolicy, build_tree
 from hf_treespark.verify import (
     commit_cache,
@@ -415,6 +416,79 @@ def test_refusals_are_clear(llama_pair):
     flash.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match="4D tree attention mask"):
         hf_treespark.generation.check_supported(flash, drafter, ids, flash.generation_config)
+
+
+def test_unsupported_outputs_and_inputs_embeds_are_refused_by_name(llama_pair):
+    target, drafter = llama_pair
+    ids = prompt(16, 5)
+    for flag, what in [("output_attentions", "attentions"), ("output_hidden_states", "hidden states")]:
+        with pytest.raises(ValueError, match=f"does not return {what} \\({flag}=True\\)"):
+            target.generate(ids, assistant_model=drafter, max_new_tokens=3, return_dict_in_generate=True,
+                            **{flag: True})
+    embeds = target.get_input_embeddings()(ids)
+    with pytest.raises(ValueError, match="does not take inputs_embeds: .* Pass input_ids"):
+        target.generate(inputs_embeds=embeds, assistant_model=drafter, max_new_tokens=3)
+    with pytest.raises(ValueError, match="does not take inputs_embeds"):  # not silently read from input_ids
+        target.generate(ids, inputs_embeds=embeds, assistant_model=drafter, max_new_tokens=3)
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 7, 12])
+def test_the_output_carries_the_targets_cache_of_the_committed_text(llama_pair, max_new_tokens):
+    """As plain decoding: `out.cache` (`past_key_values`) holds every token but the last, so generation can go on
+    from it; a round cut short by the length limit leaves no extra entries."""
+    target, _ = llama_pair
+    ids = prompt(17, 6)
+    oracle = make_oracle(target, target.generate(ids, do_sample=False, max_new_tokens=30, eos_token_id=None))
+    out = target.generate(ids, assistant_model=oracle, do_sample=False, max_new_tokens=max_new_tokens,
+                          eos_token_id=None, return_dict_in_generate=True)
+    assert max_new_tokens == 1 or max(r.num_accepted for r in out.rounds) > 1  # deep rounds, the last one cut
+    plain = target.generate(ids, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None,
+                            return_dict_in_generate=True)
+    assert torch.equal(out.sequences, plain.sequences)
+    assert out.cache.get_seq_length() == plain.cache.get_seq_length() == out.sequences.shape[1] - 1
+    for ours, theirs in zip(out.cache.layers, plain.cache.layers, strict=True):
+        assert torch.allclose(ours.keys, theirs.keys, atol=1e-5)
+        assert torch.allclose(ours.values, theirs.values, atol=1e-5)
+    more = target.generate(out.sequences, cache=out.cache, do_sample=False, max_new_tokens=4,
+                           eos_token_id=None)
+    assert torch.equal(more, target.generate(out.sequences, do_sample=False, max_new_tokens=4, eos_token_id=None))
+
+
+def test_binding_a_fresh_drafter_draws_no_random_numbers():
+    """The first generate() with a drafter binds it to the target (building its draft-vocabulary LM head): a seeded
+    sampled call must give what it gives with an already-bound drafter, and greedy decoding draws nothing."""
+    target = make_target("llama")
+    ids = prompt(18, 5)
+
+    def sampled(drafter):
+        torch.manual_seed(7)
+        return target.generate(ids, assistant_model=drafter, do_sample=True, max_new_tokens=16, eos_token_id=None)
+
+    bound = make_drafter(target).restrict_vocabulary(list(range(4, VOCAB)))
+    reference = sampled(bound)
+    assert torch.equal(sampled(bound), reference)
+    fresh = make_drafter(target).restrict_vocabulary(list(range(4, VOCAB)))
+    assert not fresh.is_bound
+    assert torch.equal(sampled(fresh), reference)
+    another = make_drafter(target).restrict_vocabulary(list(range(4, VOCAB)))
+    state = torch.random.get_rng_state()
+    target.generate(ids, assistant_model=another, do_sample=False, max_new_tokens=8)
+    assert torch.equal(torch.random.get_rng_state(), state)
+
+
+@pytest.mark.parametrize("gate", [0.5, 1, np.float32(0.5), np.float64(0.5), np.int64(2), torch.tensor(0.5),
+                                  torch.tensor(2), torch.tensor(0.5, dtype=torch.bfloat16)])
+def test_tree_gate_takes_python_numpy_and_0d_torch_numbers(gate):
+    """The gate's threshold takes the number types the other knobs take (np.float32 and 0-d tensors were refused)."""
+    assert resolve_gate(None, None, TreePolicy(), gate) == pytest.approx(float(gate))
+
+
+@pytest.mark.parametrize("gate", [True, np.bool_(True), torch.tensor(True), -1, np.float32(-0.5), float("nan"),
+                                  np.float32("nan"), torch.tensor(float("nan")), "often", "0.5", None, 1 + 0j,
+                                  torch.tensor([0.5]), torch.tensor([0.5, 1.0]), np.array([0.5])])
+def test_tree_gate_refuses_what_is_not_one_number_at_least_zero(gate):
+    with pytest.raises(ValueError, match=r"tree_gate=.* is invalid"):
+        resolve_gate(None, None, TreePolicy(), gate)
 
 
 @pytest.mark.slow

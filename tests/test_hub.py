@@ -289,6 +289,63 @@ def test_model_card_without_table_says_so_and_shows_usage(drafter):
     assert "| block size `B` | 7 |" in card
 
 
+def test_model_card_is_built_from_what_the_drafter_carries(target, tmp_path):
+    """The calibrated `acceptance_profile` is the drafter's measured table: a re-saved drafter keeps it on its card."""
+    drafter = tiny_drafter(target, acceptance_profile={"8": 1.8, "2": 1.5, "16": 1.96}, tree_lookup=5)
+    drafter.restrict_vocabulary(list(range(200)))
+    card = (save_drafter(drafter, tmp_path / "resaved") / "README.md").read_text()
+    assert "No acceptance table was recorded" not in card
+    assert "| tree budget | acceptance length |\n|---|---|\n| 2 | 1.50 |\n| 8 | 1.80 |\n| 16 | 1.96 |" in card
+    assert "| tree_lookup (tokens per lookup branch, 0 = off) | 5 |" in card
+    assert f"| draft vocabulary | 200 of the target's {V} ids" in card
+    with_table = model_card(drafter, acceptance_table=ACCEPTANCE)
+    assert ACCEPTANCE in with_table and "| 16 | 1.96 |" in with_table  # a benchmark table and the profile
+
+
+def test_model_card_usage_applies_the_chat_template(drafter):
+    """Raw text fed to an instruct target (SmolLM2-Instruct) gets end-of-text only: the example chats."""
+    card = model_card(drafter)
+    usage = card[card.index("## Usage"):]
+    assert "tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True," in usage
+    assert 'inputs = tokenizer("' not in usage
+    assert 'tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)' in usage
+
+
+def test_the_shipped_drafters_card_is_the_card_writers_with_its_tables():
+    from hf_treespark.assets import DEFAULT_DRAFTER_DIR
+
+    shipped = (DEFAULT_DRAFTER_DIR / "README.md").read_text()
+    drafter = TreeSparkDrafter.from_pretrained(DEFAULT_DRAFTER_DIR)
+    measured = shipped[shipped.index("## Measured acceptance") + len("## Measured acceptance"):]
+    table = measured[: measured.index("Mean tokens committed per round")]  # the benchmark's tables
+    assert "| MT-Bench | TreeSpark |" in table
+    assert shipped == model_card(drafter, acceptance_table=table)
+    assert "apply_chat_template(" in shipped and "| 16 | 1.96 |" in shipped
+
+
+def test_push_keeps_the_card_of_the_drafters_directory(tmp_path, monkeypatch, target):
+    uploaded = {}
+
+    def fake_upload_folder(self, *, repo_id, folder_path, **kwargs):
+        uploaded["card"] = (Path(folder_path) / "README.md").read_text()
+        return "commit-info"
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo",
+                        lambda self, repo_id, **kwargs: huggingface_hub.RepoUrl(f"https://huggingface.co/{repo_id}"))
+    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", fake_upload_folder)
+    saved = save_drafter(tiny_drafter(target), tmp_path / "final", acceptance_table=ACCEPTANCE)
+    own = "# My drafter\n\nLoad it with `AutoModel.from_pretrained(\"path/or/repo-id-of-this-drafter\")`.\n"
+    for card in (None, own):  # the card saved with the drafter (its table), then one the user wrote
+        if card is not None:
+            (saved / "README.md").write_text(card)
+        expected = (saved / "README.md").read_text().replace("path/or/repo-id-of-this-drafter", "me/tiny")
+        push_drafter_to_hub(TreeSparkDrafter.from_pretrained(saved), "me/tiny")
+        assert uploaded["card"] == expected
+    assert ACCEPTANCE not in uploaded["card"] and 'AutoModel.from_pretrained("me/tiny")' in uploaded["card"]
+    push_drafter_to_hub(TreeSparkDrafter.from_pretrained(saved), "me/tiny", acceptance_table="| new | 2.0 |")
+    assert "| new | 2.0 |" in uploaded["card"]  # an explicit table makes a new card
+
+
 def test_model_card_omits_base_model_when_target_is_unknown_or_a_local_path(target):
     for name in (None, "/home/me/models/target"):
         card = model_card(tiny_drafter(target, target_name_or_path=name))
@@ -638,6 +695,8 @@ NO_PACKAGE_SCRIPT = textwrap.dedent("""
                           trust_remote_code=True, return_dict_in_generate=True)
     result["plain"], result["tree"] = plain[0].tolist(), out.sequences[0].tolist()
     result["rounds"], result["loop_module"] = len(out.rounds), type(out).__module__
+    result["datastore"] = type(getattr(drafter, "datastore", None)).__module__
+    result["datastore_accepted"] = sum(r.datastore_accepted for r in out.rounds)
     json.dump(result, open(out_file, "w"))
 """)
 
@@ -664,7 +723,12 @@ def package_free_python(tmp_path_factory) -> str:
 
 def test_remote_code_without_the_package_says_what_to_install_and_custom_generate_decodes(
         tmp_path, drafter, target, package_free_python):
+    from hf_treespark.datastore import Datastore
+
+    plain = target.generate(torch.tensor([[1, 5, 9, 17, 33]]), do_sample=False, max_new_tokens=30)
+    drafter.datastore = Datastore.build([plain[0].tolist()], drafter.config.target_vocab_size)  # travels along
     save_drafter(drafter, tmp_path / "drafter")
+    drafter.datastore = None
     target.save_pretrained(tmp_path / "target")
     env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env.pop("PYTHONPATH", None)
@@ -679,6 +743,7 @@ def test_remote_code_without_the_package_says_what_to_install_and_custom_generat
     assert "pip install hf_treespark" in result["assisted_error"] and "custom_generate=" in result["assisted_error"]
     assert result["tree"] == result["plain"] and result["rounds"] > 0
     assert result["loop_module"].startswith("transformers_modules") and "custom_generate" in result["loop_module"]
+    assert result["datastore"].startswith("transformers_modules") and result["datastore_accepted"] > 0
 
 
 def test_custom_generate_folder_holds_every_module_it_imports(tmp_path, drafter):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -126,6 +127,155 @@ def test_a_token_id_outside_the_vocabulary_names_file_and_line(tiny_files, tmp_p
     assert train_cli.main(["--target", str(target), "--data", str(bad), "--output-dir", str(tmp_path / "run"),
                            "--max-steps", "1", *TINY]) == 2
     assert "bad.jsonl:2: 'response_ids' holds token id 99999999" in capsys.readouterr().err
+
+
+def _memory(monkeypatch, size: int) -> None:
+    """Make the machine have `size` bytes of memory available to `treespark train`."""
+    from hf_treespark.training import memory
+
+    monkeypatch.setattr(memory, "available_memory", lambda device: (size, "available"))
+
+
+def _never_load_the_target(monkeypatch) -> None:
+    def load_target(*args, **kwargs):
+        raise AssertionError("the target was loaded before the sizes were checked")
+
+    monkeypatch.setattr(train_cli, "load_target", load_target)
+
+
+@pytest.mark.parametrize("option, value", [("--draft-layers", "100000"), ("--intermediate-size", "10000000"),
+                                           ("--markov-rank", "10000000"), ("--head-dim", "1000000")])
+def test_a_drafter_too_large_for_memory_is_refused_before_anything_is_built(tiny_files, tmp_path, capsys,
+                                                                           monkeypatch, option, value):
+    """`--draft-layers 100000` used to grow to ~20 GB until the kernel killed the process without a word."""
+    _memory(monkeypatch, 2 * 10**9)
+    _never_load_the_target(monkeypatch)
+    started = time.perf_counter()
+    assert train(tiny_files, tmp_path / "run", "--max-steps", "1", option, value) == 2
+    assert time.perf_counter() - started < 30
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert re.search(rf"error: {option} {value}: a drafter of [\d,]+ parameters needs [\d.]+ [GT]B to train .*more "
+                     r"than the 2\.0 GB available", err), err
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_init_from_without_a_drafter_is_refused_in_one_line_before_loading_the_target(tiny_files, tmp_path,
+                                                                                         capsys, monkeypatch):
+    _never_load_the_target(monkeypatch)
+    assert train(tiny_files, tmp_path / "run", "--max-steps", "1", "--init-from", str(tmp_path / "none")) == 2
+    assert f"--init-from {tmp_path / 'none'}: no TreeSpark drafter there" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_drafter_size_check_counts_parameters_exactly_without_building():
+    from hf_treespark.configuration import TreeSparkConfig
+    from hf_treespark.modeling import TreeSparkDrafter
+    from hf_treespark.training.memory import available_memory, drafter_parameter_count
+
+    for fields in ({"num_hidden_layers": 3}, {"num_hidden_layers": 1, "anchor_features": True, "mask_token_id": None},
+                   {"num_hidden_layers": 2, "draft_vocab_size": 40, "normalize_features": True}):
+        config = TreeSparkConfig.for_target(make_target("llama"), head_dim=32, intermediate_size=64, markov_rank=16,
+                                            **fields)
+        assert drafter_parameter_count(config) == sum(p.numel() for p in TreeSparkDrafter(config).parameters())
+    size, where = available_memory(torch.device("cpu"))
+    assert 0 < size and where.startswith("available")
+
+
+def test_a_training_step_too_large_for_memory_is_refused_and_a_batch_counts_only_the_data(tiny_files, tmp_path,
+                                                                                         capsys, monkeypatch):
+    _memory(monkeypatch, 10**9)
+    assert train(tiny_files, tmp_path / "run", "--max-steps", "1", "--anchors", "10000000") == 2
+    err = capsys.readouterr().err
+    assert "--batch-size 4 with --anchors 10000000: one training step holds 4 x 10000000 x 7 x 128 reference " \
+           "probabilities (143.4 GB, float32)" in err and "more than the 1.0 GB available" in err
+    assert not (tmp_path / "run" / "final").exists()
+    # a batch never holds more than the 8 sequences there are: --batch-size 1000000 trains
+    assert train(tiny_files, tmp_path / "big", "--max-steps", "1", "--batch-size", "1000000") == 0
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--num-prompts", "100000000"], "--num-prompts 100000000: the prompt list alone needs 15.0 GB"),
+    (["--num-prompts", "10000", "--regen-batch-size", "10000", "--regen-max-new-tokens", "100000"],
+     "--regen-batch-size 10000: 10000 prompts answered at once with --regen-max-new-tokens 100000 need a "
+     r"512\.0 GB key/value cache"),
+])
+def test_a_regeneration_too_large_for_memory_is_refused_before_loading_the_target(tiny_files, tmp_path, capsys,
+                                                                                 monkeypatch, options, message):
+    _memory(monkeypatch, 10**9)
+    _never_load_the_target(monkeypatch)
+    target, _ = tiny_files
+    assert train_cli.main(["--target", str(target), "--regenerate", "sharegpt:1", "--output-dir", str(tmp_path / "r"),
+                           *options]) == 2
+    err = capsys.readouterr().err
+    assert re.search(f"{message}, more than the 1.0 GB available", err), err
+    assert not (tmp_path / "r").exists()
+
+
+def _hub_unreachable(monkeypatch) -> None:
+    """The Hub client fails as it does without a network (never reached: no test depends on one)."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.utils import httpx
+
+    def create_repo(self, repo_id, **kwargs):
+        raise httpx.ConnectError("[Errno -2] Name or service not known")
+
+    monkeypatch.setattr(HfApi, "create_repo", create_repo)
+
+
+@pytest.mark.parametrize("repo_id, offline, message", [
+    ("not a repo id!!", False, "--push-to-hub 'not a repo id!!' is not a Hub repository id"),
+    ("me/drafter", True, "--push-to-hub me/drafter: HF_HUB_OFFLINE is set, so the upload would fail after training"),
+])
+def test_a_push_that_cannot_succeed_is_refused_before_training(tiny_files, tmp_path, capsys, monkeypatch, repo_id,
+                                                              offline, message):
+    """A bad repository id used to be rejected only after the whole run had trained."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
+    _never_load_the_target(monkeypatch)
+    assert train(tiny_files, tmp_path / "run", "--max-steps", "1", "--push-to-hub", repo_id) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and message in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_failed_push_after_training_says_what_failed_keeps_final_and_how_to_retry(tiny_files, tmp_path, capsys,
+                                                                                  monkeypatch):
+    """Without a network the upload used to end in two chained httpx tracebacks."""
+    _hub_unreachable(monkeypatch)
+    out = tmp_path / "run"
+    assert cli.main(["train", "--target", str(tiny_files[0]), "--data", str(tiny_files[1]), "--output-dir", str(out),
+                     "--max-steps", "1", *TINY, "--push-to-hub", "me/drafter"]) == 2
+    captured = capsys.readouterr()
+    assert "trained 1 steps" in captured.out
+    assert captured.err.count("error:") == 1 and "Traceback" not in captured.err
+    assert (f"treespark: error: pushing to the Hub repository me/drafter failed (ConnectError: [Errno -2] Name or "
+            f"service not known). The trained drafter is kept in {out / 'final'}; retry with: treespark push "
+            f"--drafter {out / 'final'} --repo-id me/drafter") in captured.err
+    assert (out / "final" / "model.safetensors").is_file()
+
+
+def test_the_push_command_without_a_network_or_offline_ends_in_one_line(tmp_path, capsys, monkeypatch):
+    from conftest import make_drafter
+
+    from hf_treespark.hub import save_drafter
+
+    final = save_drafter(make_drafter(make_target()), tmp_path / "final")
+    _hub_unreachable(monkeypatch)
+    assert cli.main(["push", "--drafter", str(final), "--repo-id", "me/drafter"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "ConnectError: [Errno -2] Name or service not known" in err
+    assert f"retry with: treespark push --drafter {final} --repo-id me/drafter" in err
+    monkeypatch.undo()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "hf_treespark.cli", "push", "--drafter", str(final), "--repo-id",
+                           "me/drafter"], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert re.search(r"treespark: error: pushing .* failed \(OfflineModeIsEnabled: .*offline mode is enabled.*\); "
+                     "retry with: treespark push", proc.stderr), proc.stderr
+    assert (final / "model.safetensors").is_file()
 
 
 def test_example_under_torchrun_trains_as_one_process_with_twice_the_batch(tiny_files, tmp_path):
@@ -376,6 +526,63 @@ def test_export_writes_the_checkpoints_drafter_and_refuses_a_damaged_one(tiny_fi
     (checkpoint / "model.safetensors").write_bytes(b"not safetensors")
     assert cli.main(["export", str(checkpoint), "--output", str(tmp_path / "bad")]) == 2
     assert "cannot be read" in capsys.readouterr().err and not (tmp_path / "bad").exists()
+
+
+def _checkpoint_of(drafter, directory: Path) -> Path:
+    """A training checkpoint's files for `drafter`, as `Trainer.save_checkpoint` writes them (no training)."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True)
+    drafter.config.to_json_file(str(directory / "drafter_config.json"))
+    save_file({f"drafter.{k}": v.contiguous() for k, v in drafter.state_dict().items()},
+              str(directory / "model.safetensors"))
+    (directory / "trainer_state.json").write_text(json.dumps({"step": 1, "drafter_config": {}}))
+    return directory
+
+
+def _edit_json(path: Path, **fields) -> None:
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+
+
+@pytest.mark.parametrize("damage, file, message", [
+    (lambda c: (c / "drafter_config.json").write_text('{"markov_rank": 1'), "drafter_config.json",
+     "cannot be read as a drafter config .*Expecting"),
+    (lambda c: (c / "drafter_config.json").write_bytes(b"\xff\xfe"), "drafter_config.json",
+     "cannot be read as a drafter config .*can't decode byte 0xff"),
+    (lambda c: (c / "drafter_config.json").write_text("[1, 2]"), "drafter_config.json", "holds a JSON list"),
+    (lambda c: _edit_json(c / "drafter_config.json", markov_rank=-4), "drafter_config.json",
+     "does not hold a valid drafter config .*markov_rank=-4"),
+    (lambda c: ((c / "drafter_config.json").unlink(), (c / "trainer_state.json").write_text('{"drafter_config": 3}')),
+     "trainer_state.json", "has no drafter_config object"),
+    (lambda c: ((c / "drafter_config.json").unlink(), (c / "trainer_state.json").write_text("{")),
+     "trainer_state.json", "cannot be read as a training checkpoint's state"),
+])
+def test_export_names_the_damaged_json_file_and_what_is_wrong(tmp_path, capsys, damage, file, message):
+    """A damaged drafter_config.json used to give the JSON parser's message alone (or a TypeError traceback)."""
+    from conftest import make_drafter
+
+    checkpoint = _checkpoint_of(make_drafter(make_target("llama")), tmp_path / "step-00000001")
+    damage(checkpoint)
+    assert cli.main(["export", str(checkpoint), "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"treespark: error: {checkpoint / file}")
+    assert re.search(message, err), err
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_refuses_a_damaged_draft_vocabulary_naming_the_weights_file(tmp_path, capsys):
+    from conftest import make_drafter
+    from safetensors.torch import load_file, save_file
+
+    drafter = make_drafter(make_target("llama")).restrict_vocabulary(list(range(40, 80)))
+    checkpoint = _checkpoint_of(drafter, tmp_path / "step-00000001")
+    weights = load_file(checkpoint / "model.safetensors")
+    weights["drafter.draft_vocab_ids"][5] = 40  # a repeated id
+    save_file(weights, checkpoint / "model.safetensors")
+    assert cli.main(["export", str(checkpoint), "--output", str(tmp_path / "out")]) == 2
+    assert (f"{checkpoint / 'model.safetensors'} holds a damaged draft_vocab_ids buffer (id 40 appears 2 times)"
+            in capsys.readouterr().err)
+    assert not (tmp_path / "out").exists()
 
 
 def test_draft_layers_above_an_init_from_drafter_grow_it_without_changing_its_drafts(tiny_files, tmp_path, capsys):

@@ -384,6 +384,71 @@ def test_a_crash_during_a_checkpoint_write_loses_only_the_steps_since_the_last_c
         assert torch.allclose(got[key], value, atol=1e-6, rtol=0), key
 
 
+class _ThreadRank:
+    """One rank of a fake 2-process accelerator (threads and a barrier); `delay` seconds before its `save_state`,
+    which writes what accelerate's does on every rank: `random_states_<rank>.pkl`, creating the directory."""
+
+    def __init__(self, rank: int, world: int, barrier, delay: float = 0.0):
+        self.process_index, self.num_processes, self.barrier, self.delay = rank, world, barrier, delay
+        self.is_main_process = rank == 0
+
+    def wait_for_everyone(self) -> None:
+        self.barrier.wait(timeout=30)
+
+    def save_state(self, directory: str) -> None:
+        import time
+
+        time.sleep(self.delay)
+        os.makedirs(directory, exist_ok=True)
+        if self.is_main_process:
+            (Path(directory) / "model.safetensors").write_bytes(b"weights")
+        (Path(directory) / f"random_states_{self.process_index}.pkl").write_bytes(b"rng")
+
+
+def test_a_checkpoint_is_published_only_when_every_rank_has_saved_its_state(tmp_path):
+    """A slow rank 1 used to write its RNG state into a `.tmp-step-N` recreated after rank 0's rename: the published
+    checkpoint lacked it and the temporary directory stayed behind."""
+    import threading
+
+    from hf_treespark.training.trainer import publish_state
+
+    final = tmp_path / "checkpoints" / "step-00000003"
+    final.parent.mkdir()
+    barrier = threading.Barrier(2)
+    ranks = [_ThreadRank(0, 2, barrier), _ThreadRank(1, 2, barrier, delay=0.5)]
+    errors = []
+
+    def run(rank):
+        try:
+            publish_state(rank, final, lambda tmp: (tmp / "trainer_state.json").write_text('{"step": 3}'))
+        except BaseException as err:  # noqa: BLE001 - reported below, from the test's thread
+            errors.append(err)
+            barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in ranks]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors, errors
+    assert sorted(p.name for p in final.iterdir()) == ["model.safetensors", "random_states_0.pkl",
+                                                       "random_states_1.pkl", "trainer_state.json"]
+    assert [p.name for p in final.parent.iterdir()] == ["step-00000003"]  # no .tmp-step-00000003 left behind
+
+
+def test_a_checkpoint_missing_a_ranks_state_is_not_published(tmp_path):
+    from hf_treespark.training.trainer import publish_state
+
+    class NoSharedDisk(_ThreadRank):  # rank 0 of 2 whose partner wrote elsewhere
+        def wait_for_everyone(self):
+            pass
+
+    final = tmp_path / "step-00000001"
+    with pytest.raises(RuntimeError, match=r"lacks random_states_1\.pkl .* filesystem that all processes share"):
+        publish_state(NoSharedDisk(0, 2, None), final, lambda tmp: None)
+    assert not final.exists()
+
+
 def test_damaged_checkpoint_is_refused_with_its_path(tmp_path):
     trainer = tiny_trainer(tmp_path, max_steps=3)
     trainer.train(resume=False, progress=False)
@@ -393,6 +458,25 @@ def test_damaged_checkpoint_is_refused_with_its_path(tmp_path):
     again = tiny_trainer(tmp_path, max_steps=3)
     with pytest.raises(RuntimeError, match=str(ckpt.name)):
         again.resume()
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{", "Expecting property name"), ("[3]", "a JSON list, not an object"), ('{"anchors_seen": 5}', "no 'step'"),
+    ('{"step": "3"}', "'step' is '3', not a count"), ('{"step": 3, "config": [1]}', "'config' is a JSON list"),
+    (b"\xff{}", "can't decode byte 0xff"),
+])
+def test_a_damaged_trainer_state_is_refused_naming_the_file_before_loading(tmp_path, content, message):
+    """A `trainer_state.json` that parses but is not an object used to end in an AttributeError traceback, one
+    without a step number in a KeyError after the weights were loaded."""
+    trainer = tiny_trainer(tmp_path, max_steps=1)
+    checkpoint = trainer.checkpoint_dir / "step-00000001"
+    checkpoint.mkdir(parents=True)
+    state = checkpoint / "trainer_state.json"
+    state.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(RuntimeError, match=rf"checkpoint {checkpoint} cannot be read \(trainer_state\.json: .*"
+                                           rf"{message}"):
+        trainer.resume()
+    assert trainer.step == 0
 
 
 def test_two_processes_make_the_same_update_as_one(tmp_path):

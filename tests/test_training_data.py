@@ -465,6 +465,33 @@ def test_load_references_reads_gzip_compressed_files_and_refuses_a_cut_short_one
     cut.write_bytes(packed.read_bytes()[: packed.stat().st_size // 2])
     with pytest.raises(ValueError, match=r"cut\.jsonl\.gz: not a complete gzip file"):
         load_references([cut])
+    named = tmp_path / "plain.jsonl.gz"  # plain JSONL under a .gz name: said so, not "after line 0"
+    named.write_bytes(plain.read_bytes())
+    with pytest.raises(ValueError, match=r"plain\.jsonl\.gz: not a gzip file .*, though its name ends in \.gz"):
+        load_references([named])
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz"])
+def test_a_line_that_is_not_utf8_is_named_with_its_file_and_line(tmp_path, suffix):
+    """The codec's bare message used to come out, without file or line (and text-mode decoding of 8 KB chunks
+    would blame an earlier line)."""
+    import gzip
+
+    good = [json.dumps({"id": f"r{i}", "prompt_ids": [1, 2], "response_ids": [3, 4, 5], "prompt": "hi"}).encode()
+            for i in range(299)]
+    bad = b'{"id": "latin1", "prompt_ids": [1, 2], "response_ids": [3, 4, 5], "prompt": "caf\xe9"}'
+    data = b"\r\n".join([*good, bad, *good[:5]]) + b"\r\n"  # Windows line ends are read as before
+    path = tmp_path / f"refs{suffix}"
+    path.write_bytes(gzip.compress(data) if suffix.endswith(".gz") else data)
+    column = bad.index(b"\xe9") + 1
+    message = rf"refs{suffix.replace('.', '[.]')}:300: not UTF-8 text \(byte 0xe9 at byte {column} of the line\)"
+    with pytest.raises(ValueError, match=message):
+        load_references([path])
+    with pytest.raises(ValueError, match=message):
+        jsonl_prompts(path)
+    data = b"\r\n".join(good) + b"\r\n"
+    path.write_bytes(gzip.compress(data) if suffix.endswith(".gz") else data)
+    assert len(load_references([path])) == 299
 
 
 def test_sharegpt_later_turns_skip_records_that_do_not_alternate_or_name_an_unknown_speaker(monkeypatch):

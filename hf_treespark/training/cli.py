@@ -171,6 +171,19 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise NotADirectoryError(f"--output-dir {args.output_dir} is a file: give a directory")
     if args.feature_cache and Path(args.feature_cache).exists() and not Path(args.feature_cache).is_dir():
         raise NotADirectoryError(f"--feature-cache {args.feature_cache} is a file: give a directory")
+    if args.push_to_hub is not None:
+        from .push import check_push_target
+
+        check_push_target(args.push_to_hub)
+
+
+def load_target_config(name: str):
+    """The config of the target `load_target` loads (no weights): for the checks before anything is built."""
+    from transformers import AutoConfig
+
+    from .. import assets
+
+    return AutoConfig.from_pretrained(assets.default_target_path() if name == "default" else name)
 
 
 def load_target(name: str, with_tokenizer: bool):
@@ -193,8 +206,6 @@ def build_drafter(args: argparse.Namespace, target):
     """
     import torch
 
-    from .. import assets
-    from ..configuration import TreeSparkConfig
     from ..modeling import TreeSparkDrafter
 
     if args.init_from:
@@ -207,6 +218,16 @@ def build_drafter(args: argparse.Namespace, target):
             torch.manual_seed(args.seed)
             grow_layers(drafter, args.draft_layers)
         return drafter
+    config = fresh_drafter_config(args, target)
+    torch.manual_seed(args.seed)
+    return TreeSparkDrafter(config)
+
+
+def fresh_drafter_config(args: argparse.Namespace, target):
+    """The config of a fresh drafter for `target` (a model or its config), shaped by the options and the preset."""
+    from .. import assets
+    from ..configuration import TreeSparkConfig
+
     mask = args.mask_token_id
     if mask is None and args.target == "default":
         mask = DEFAULT_MASK_TOKEN_ID
@@ -219,8 +240,101 @@ def build_drafter(args: argparse.Namespace, target):
         fields["head_dim"] = args.head_dim
     if args.target == "default":
         fields["target_name_or_path"] = assets.DEFAULT_TARGET_NAME
-    torch.manual_seed(args.seed)
-    return TreeSparkDrafter(TreeSparkConfig.for_target(target, **fields))
+    return TreeSparkConfig.for_target(target, **fields)
+
+
+def planned_drafter_config(args: argparse.Namespace, target_config):
+    """The config of the drafter that `build_drafter` and `set_draft_vocabulary` will make, read without building
+    it (for `--init-from`, its config.json only)."""
+    from ..configuration import TreeSparkConfig
+
+    if args.init_from:
+        try:
+            config = TreeSparkConfig.from_pretrained(args.init_from)
+        except (OSError, ValueError) as err:
+            raise OSError(f"--init-from {args.init_from}: no TreeSpark drafter there "
+                          f"({' '.join(str(err).split())})") from None
+        config.num_hidden_layers = max(config.num_hidden_layers, args.draft_layers or 0)
+    else:
+        config = fresh_drafter_config(args, target_config)
+    if args.draft_vocab_size is not None:
+        config.draft_vocab_size = args.draft_vocab_size or None
+    return config
+
+
+DRAFTER_SIZE_OPTIONS = ("draft_layers", "intermediate_size", "heads", "kv_heads", "head_dim", "markov_rank",
+                        "draft_vocab_size")  # the options that size the drafter
+
+
+def check_memory(args: argparse.Namespace, target_config, device, sequences: int | None = None) -> None:
+    """Refuse, in one line naming the option, sizes whose training needs more memory than `device` has.
+
+    Counted without building anything (`training.memory`), as lower bounds: the drafter's float32 weights,
+    gradients and AdamW moments (16 bytes a parameter); given this process's number of reference `sequences` (a
+    batch holds no more), one step's reference distributions beside them (`batch x --anchors x block_size x draft
+    vocabulary`, float32); with `--regenerate`, the prompt list and one regeneration batch's key/value cache
+    (`--regen-batch-size x --regen-max-new-tokens`, bf16).
+    """
+    from .memory import PROMPT_BYTES, TRAINED_PARAMETER_BYTES, available_memory, drafter_parameter_count, format_bytes
+
+    available = available_memory(device)
+    if available is None:
+        return
+    limit, where = available
+    have = f"more than the {format_bytes(limit)} {where}"
+    if args.regenerate:
+        prompts = args.num_prompts * PROMPT_BYTES
+        if prompts > limit:
+            raise ValueError(f"--num-prompts {args.num_prompts}: the prompt list alone needs {format_bytes(prompts)}, "
+                             f"{have}; ask for fewer prompts")
+        text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        heads = getattr(text, "num_attention_heads", 1)
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        kv_width = 2 * (getattr(text, "num_key_value_heads", None) or heads) * head_dim  # keys and values
+        batch = min(args.regen_batch_size, args.num_prompts)
+        cache = batch * args.regen_max_new_tokens * text.num_hidden_layers * kv_width * 2
+        if cache > limit:
+            raise ValueError(f"--regen-batch-size {args.regen_batch_size}: {batch} prompts answered at once with "
+                             f"--regen-max-new-tokens {args.regen_max_new_tokens} need a {format_bytes(cache)} "
+                             f"key/value cache, {have}; lower --regen-batch-size")
+    if args.regenerate_only:
+        return
+    config = planned_drafter_config(args, target_config)
+    drafter = drafter_parameter_count(config) * TRAINED_PARAMETER_BYTES
+    vocab = config.draft_vocab_size or config.target_vocab_size
+    batch = args.batch_size if sequences is None else min(args.batch_size, sequences)
+    step = 0 if sequences is None else batch * args.anchors * config.block_size * vocab * 4
+    if drafter > limit:
+        raise ValueError(f"{_largest_size_option(args, target_config)}: a drafter of "
+                         f"{drafter // TRAINED_PARAMETER_BYTES:,} parameters needs {format_bytes(drafter)} to train "
+                         f"(float32 weights, gradients and AdamW moments: 16 bytes a parameter), {have}; give a "
+                         "smaller size")
+    if drafter + step > limit:
+        raise ValueError(f"--batch-size {args.batch_size} with --anchors {args.anchors}: one training step holds "
+                         f"{batch} x {args.anchors} x {config.block_size} x {vocab} reference probabilities "
+                         f"({format_bytes(step)}, float32) beside the drafter's {format_bytes(drafter)}, {have}; "
+                         "lower --batch-size or --anchors (--grad-accum keeps the batch per update)")
+
+
+def _largest_size_option(args: argparse.Namespace, target_config) -> str:
+    """`--option value` of the size option that adds the most parameters to the drafter (its default instead
+    shrinks it most), or what else makes the drafter large."""
+    from .memory import drafter_parameter_count
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)  # for the options' defaults (None: the preset's, or the shape of --init-from)
+
+    def count_with_default(name: str) -> int:
+        changed = argparse.Namespace(**{**vars(args), name: parser.get_default(name)})
+        return drafter_parameter_count(planned_drafter_config(changed, target_config))
+
+    given = [name for name in DRAFTER_SIZE_OPTIONS
+             if getattr(args, name) is not None and getattr(args, name) != parser.get_default(name)
+             and not (args.init_from and name not in ("draft_layers", "draft_vocab_size"))]
+    if not given:
+        return f"--init-from {args.init_from}" if args.init_from else f"--target {args.target}"
+    name = min(given, key=count_with_default)
+    return f"--{name.replace('_', '-')} {getattr(args, name)}"
 
 
 def grow_layers(drafter, num_layers: int) -> None:
@@ -326,11 +440,13 @@ def run(args: argparse.Namespace) -> int:
                          loss=LossConfig(**args.loss))
     # First, before anything else touches accelerate's state: under torchrun this joins the process group.
     accelerator = build_accelerator(config)
+    target_config = load_target_config(args.target)
+    if args.draft_vocab_size and args.draft_vocab_size > target_config.vocab_size:
+        raise ValueError(f"--draft-vocab-size {args.draft_vocab_size} exceeds the target's vocabulary of "
+                         f"{target_config.vocab_size} ids; use at most that, or 0 for the whole vocabulary")
+    check_memory(args, target_config, accelerator.device)
     needs_dev_set = args.eval_every > 0 and not args.dev_data and not args.regenerate_only
     target, tokenizer = load_target(args.target, with_tokenizer=bool(args.regenerate) or needs_dev_set)
-    if args.draft_vocab_size and args.draft_vocab_size > target.config.vocab_size:
-        raise ValueError(f"--draft-vocab-size {args.draft_vocab_size} exceeds the target's vocabulary of "
-                         f"{target.config.vocab_size} ids; use at most that, or 0 for the whole vocabulary")
     data = [Path(p) for p in args.data]
     if args.regenerate:
         data.append(regenerate(args, target, tokenizer, accelerator, out))
@@ -340,6 +456,7 @@ def run(args: argparse.Namespace) -> int:
                                  vocab_size=target.config.vocab_size)
     if not references:
         raise ValueError(f"no usable reference sequences in {', '.join(map(str, data))} (see the warnings above)")
+    check_memory(args, target_config, accelerator.device, -(-len(references) // accelerator.num_processes))
     drafter = set_draft_vocabulary(build_drafter(args, target), args.draft_vocab_size, references)
     trainer = Trainer(config, target, drafter, references, accelerator=accelerator)
     if drafter.feature_mean is not None and not args.init_from and trainer.latest_checkpoint() is None:
@@ -352,7 +469,8 @@ def run(args: argparse.Namespace) -> int:
 
         print(f"learning curve: {plot_learning_curve(out / 'metrics.jsonl', out / 'learning_curve.png')}")
     if accelerator.is_main_process:
-        from ..hub import push_drafter_to_hub, save_drafter
+        from ..hub import save_drafter
+        from .push import push_trained_drafter
 
         drafter = trainer.unwrapped_drafter()
         save_drafter(drafter, out / "final")
@@ -364,7 +482,8 @@ def run(args: argparse.Namespace) -> int:
                   f"{result['seconds']:.0f} s on {accelerator.num_processes} process(es); drafter saved to "
                   f"{out / 'final'}")
         if args.push_to_hub:
-            push_drafter_to_hub(drafter, args.push_to_hub)
+            commit = push_trained_drafter(drafter, args.push_to_hub, out / "final")
+            print(f"[push] uploaded to {getattr(commit, 'commit_url', None) or args.push_to_hub}")
     return 0
 
 

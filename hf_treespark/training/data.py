@@ -169,7 +169,7 @@ def jsonl_prompts(path: str | Path, limit: int | None = None) -> list[Prompt]:
     prompts: list[Prompt] = []
     if limit is not None and limit <= 0:
         return prompts
-    for line_no, (record, messages) in _json_records(path, _record_to_messages):
+    for line_no, (record, messages) in json_records(path, _record_to_messages):
         rid = str(record["id"]) if "id" in record else f"{path.stem}:{line_no}"
         prompts.append(Prompt(id=rid, messages=messages, source=str(path)))
         if limit is not None and len(prompts) >= limit:
@@ -177,29 +177,40 @@ def jsonl_prompts(path: str | Path, limit: int | None = None) -> list[Prompt]:
     return prompts
 
 
-def _json_records(path: Path, parse) -> Iterator[tuple[int, tuple[dict, object]]]:
+def json_records(path: Path, parse) -> Iterator[tuple[int, tuple[dict, object]]]:
     """`(line number, (record, parse(record)))` for each non-empty line of a JSONL file (gzip-compressed when its
     name ends in `.gz`).
 
-    A line that is not a JSON object, or that `parse` rejects with `ValueError`, raises
+    A line that is not UTF-8 text, not a JSON object, or that `parse` rejects with `ValueError`, raises
     `ValueError` naming the file and line.
     """
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
+    with opener(path, "rb") as f:  # decoded line by line: a decoding error names its own line
         line_no = 0
         try:
-            for line_no, line in enumerate(f, start=1):
+            for line_no, raw in enumerate(f, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"{path}:{line_no}: not UTF-8 text (byte 0x{raw[e.start]:02x} at byte "
+                                     f"{e.start + 1} of the line); save the file as UTF-8") from None
                 if not line.strip():
                     continue
                 try:
                     record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{line_no}: not a JSON line ({e})") from None
+                try:
                     if not isinstance(record, dict):
                         raise ValueError(f"expected a JSON object, got {type(record).__name__}")
                     parsed = parse(record)
-                except ValueError as e:  # json.JSONDecodeError is a ValueError
+                except ValueError as e:
                     raise ValueError(f"{path}:{line_no}: {e}") from None
                 yield line_no, (record, parsed)
         except (EOFError, gzip.BadGzipFile, zlib.error) as e:  # a damaged or cut-short .gz file
+            if line_no == 0 and isinstance(e, gzip.BadGzipFile):
+                raise ValueError(f"{path}: not a gzip file ({e}), though its name ends in .gz; compress it with "
+                                 "gzip or drop the .gz") from None
             raise ValueError(f"{path}: not a complete gzip file after line {line_no} ({e}); copy it again") from None
 
 
@@ -543,7 +554,7 @@ def load_references(paths: list[str | Path] | str | Path, max_length: int = 1024
         return sequences
     for path in map(Path, paths):
         dropped = 0
-        for line_no, (record, (prompt_ids, response_ids)) in _json_records(path, token_lists):
+        for line_no, (record, (prompt_ids, response_ids)) in json_records(path, token_lists):
             input_ids = (prompt_ids + response_ids)[:max_length]
             if len(input_ids) - len(prompt_ids) < 2:
                 dropped += 1

@@ -21,21 +21,38 @@ EXPORT_DTYPES = ("bfloat16", "float32")  # names `precision.resolve_dtype` reads
 
 def checkpoint_config(checkpoint: Path):
     """The drafter config of `checkpoint`: its `drafter_config.json`, or for a checkpoint written before that
-    file existed, the architecture fields of its `trainer_state.json`."""
+    file existed, the architecture fields of its `trainer_state.json`. A file that cannot give one raises
+    `ValueError` naming it and what is wrong."""
     from ..configuration import TreeSparkConfig
 
-    full = checkpoint / "drafter_config.json"
-    if full.is_file():
-        return TreeSparkConfig.from_json_file(str(full))
-    state_path = checkpoint / "trainer_state.json"
-    if not state_path.is_file():
-        raise FileNotFoundError(f"{checkpoint} is not a complete training checkpoint (no trainer_state.json); "
-                                "give a step-* directory of OUTPUT_DIR/checkpoints")
+    path = checkpoint / "drafter_config.json"
+    if path.is_file():
+        fields = read_json_object(path, "a drafter config")
+    else:
+        path = checkpoint / "trainer_state.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{checkpoint} is not a complete training checkpoint (no trainer_state.json); "
+                                    "give a step-* directory of OUTPUT_DIR/checkpoints")
+        fields = read_json_object(path, "a training checkpoint's state").get("drafter_config")
+        if not isinstance(fields, dict):
+            raise ValueError(f"{path} has no drafter_config object: the checkpoint is damaged, export another one")
     try:
-        fields = json.loads(state_path.read_text())["drafter_config"]
-    except (ValueError, KeyError, TypeError) as err:
-        raise ValueError(f"{state_path} cannot be read as a training checkpoint's state ({err})") from err
-    return TreeSparkConfig(**fields)
+        return TreeSparkConfig.from_dict(fields)  # as `from_json_file` reads a config
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{path} does not hold a valid drafter config ({err}); the checkpoint is damaged, export "
+                         "another one") from None
+
+
+def read_json_object(path: Path, what: str) -> dict:
+    """The JSON object in `path`; `ValueError` naming the file when it is not UTF-8 JSON or not an object."""
+    try:
+        value = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} cannot be read as {what} ({err}); the file is damaged (an interrupted write, a "
+                         "full disk)") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} cannot be read as {what}: it holds a JSON {type(value).__name__}, not an object")
+    return value
 
 
 def checkpoint_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
@@ -61,7 +78,7 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path, dtype: str = "
     measures the new one. Returns the drafter.
     """
     from ..hub import save_drafter
-    from ..modeling import TreeSparkDrafter
+    from ..modeling import TreeSparkDrafter, draft_vocab_problem
     from ..precision import resolve_dtype
 
     checkpoint, output = Path(checkpoint), Path(output)
@@ -84,6 +101,10 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path, dtype: str = "
                  for label, keys in (("missing", missing), ("unexpected", unexpected), ("other shape", wrong)) if keys]
         raise ValueError(f"{checkpoint} does not hold the weights of its drafter config ({'; '.join(parts)}); "
                          "nothing was written")
+    problem = "draft_vocab_ids" in weights and draft_vocab_problem(weights["draft_vocab_ids"], config.target_vocab_size)
+    if problem:
+        raise ValueError(f"{checkpoint / 'model.safetensors'} holds a damaged draft_vocab_ids buffer ({problem}); "
+                         "nothing was written, export another checkpoint")
     drafter.load_state_dict(weights, strict=True)
     save_drafter(drafter.to(resolve_dtype(dtype)), output)
     return drafter

@@ -256,6 +256,34 @@ def fill_feature_cache(cache: FeatureCache, target, layer_ids, references, batch
             cache.put(ref, feats[row, :n].cpu(), hidden[row, :n].cpu())
 
 
+def publish_state(accelerator, final: Path, write_run_state) -> None:
+    """Every rank's `accelerator.save_state` into `.tmp-<final name>`, then `write_run_state(tmp)` and one rename
+    to `final` on the main rank.
+
+    Each rank writes its own files (the main rank the weights, optimizer and scheduler; every rank its RNG state,
+    `random_states_<rank>.pkl`). The rename waits until all ranks are done and their files are there: a slower
+    rank would otherwise write into a `.tmp` directory recreated after the rename, and the published checkpoint
+    would lack its state.
+    """
+    tmp = final.with_name(f".tmp-{final.name}")
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()  # every rank's files are written before the main rank publishes them
+    if accelerator.is_main_process:
+        missing = [name for name in (f"random_states_{rank}.pkl" for rank in range(accelerator.num_processes))
+                   if not (tmp / name).is_file()]
+        if missing:
+            raise RuntimeError(f"checkpoint {tmp} lacks {', '.join(missing)} after every process saved its state: "
+                               "--output-dir must be on a filesystem that all processes share")
+        write_run_state(tmp)
+        if final.exists():  # the same step written by an earlier run of this output dir
+            shutil.rmtree(final)
+        tmp.rename(final)
+    accelerator.wait_for_everyone()
+
+
 def cosine_schedule(optimizer, warmup_steps: int, total_steps: int, min_ratio: float):
     def factor(step: int) -> float:
         if step < warmup_steps:
@@ -373,25 +401,20 @@ class Trainer:
         Everything goes into `.tmp-step-N` first, `trainer_state.json` last; one rename publishes it. A crash at
         any point leaves the previous `step-*` checkpoints untouched, and `latest_checkpoint` ignores the rest.
         """
-        acc = self.accelerator
         final = self.checkpoint_dir / f"step-{self.step:08d}"
-        tmp = self.checkpoint_dir / f".tmp-step-{self.step:08d}"
-        if acc.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
-        acc.wait_for_everyone()
-        acc.save_state(str(tmp))
-        if acc.is_main_process:
+
+        def write_run_state(tmp: Path) -> None:
             state = {"step": self.step, "anchors_seen": self.anchors_seen, "config": _jsonable(self.config),
                      "drafter_config": self._drafter_fields()}
             # the whole drafter config, for `treespark export` (training.export)
             self.unwrapped_drafter().config.to_json_file(str(tmp / "drafter_config.json"))
             (tmp / "trainer_state.json").write_text(json.dumps(state))
-            if final.exists():  # the same step written by an earlier run of this output dir
-                shutil.rmtree(final)
-            tmp.rename(final)
+
+        publish_state(self.accelerator, final, write_run_state)
+        if self.accelerator.is_main_process:
             for old in sorted(self.checkpoint_dir.glob("step-*"))[: -self.config.keep_checkpoints]:
                 shutil.rmtree(old, ignore_errors=True)
-        acc.wait_for_everyone()
+        self.accelerator.wait_for_everyone()
         return final
 
     def latest_checkpoint(self) -> Path | None:
@@ -433,11 +456,11 @@ class Trainer:
         if path is None:
             return False
         try:
-            state = json.loads((path / "trainer_state.json").read_text())
+            state = _checked_trainer_state(json.loads((path / "trainer_state.json").read_bytes().decode("utf-8")))
         except (OSError, ValueError) as err:
-            raise RuntimeError(f"checkpoint {path} cannot be read ({err}). If it is damaged (an interrupted write, "
-                               f"a full disk), move it out of {self.checkpoint_dir} and start again: training "
-                               "resumes from the checkpoint before it.") from err
+            raise RuntimeError(f"checkpoint {path} cannot be read (trainer_state.json: {err}). If it is damaged (an "
+                               f"interrupted write, a full disk), move it out of {self.checkpoint_dir} and start "
+                               "again: training resumes from the checkpoint before it.") from err
         conflicts = self._resume_conflicts(state)
         if conflicts:
             saved_preset = state.get("config", {}).get("preset")
@@ -655,6 +678,23 @@ class Trainer:
 _RESUME_POSITION_FIELDS = ("batch_size", "grad_accum", "updates_per_batch", "seed")
 # Drafter config fields that may change between a checkpoint and its resumption.
 _RESUME_IGNORED_FIELDS = {"acceptance_profile", "target_name_or_path", "transformers_version", "initializer_range"}
+
+
+def _checked_trainer_state(state) -> dict:
+    """`state`, a checkpoint's `trainer_state.json`, if it has what `Trainer.resume` reads: an object with a step
+    number (and an anchor count, a `config` and a `drafter_config` object where present); else `ValueError`."""
+    if not isinstance(state, dict):
+        raise ValueError(f"a JSON {type(state).__name__}, not an object")
+    for key in ("step", "anchors_seen"):
+        value = state.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{key!r} is {value!r}, not a count")
+    if "step" not in state:
+        raise ValueError("no 'step'")
+    for key in ("config", "drafter_config"):
+        if key in state and not isinstance(state[key], dict):
+            raise ValueError(f"{key!r} is a JSON {type(state[key]).__name__}, not an object")
+    return state
 
 
 def _jsonable(config) -> dict:

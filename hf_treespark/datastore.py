@@ -1,0 +1,309 @@
+"""Datastore branches: continuations of the text's suffix in the target's own earlier outputs (SPEC 2d).
+
+Lookup branches (`lookup.py`) find text the answer copies from its prompt or from itself; the datastore
+finds the target's house style (openings, list formats, stock phrases, code idioms) in what it answered
+to other prompts, which is where an answer starts and lookup has nothing yet. Both graft into the one
+tree verified per round, so exactness does not depend on either.
+
+The index. The token ids of the stored sequences (each the target's response, preceded by the last
+`HEADER_TOKENS` tokens of its prompt, so that a match on the assistant header proposes the answer's
+opening) are concatenated with a separator between sequences. Every position `e` that holds a token is
+sorted by its *left* context, `tokens[e], tokens[e - 1], ..., tokens[e - MAX_MATCH + 1]` (a suffix array of
+the reversed text, cut at `MAX_MATCH` tokens): the occurrences of any suffix `s` of length `n <=
+MAX_MATCH` are one contiguous range, so the longest suffix of the current text that occurs in the store is
+found by narrowing a range one token at a time (`2 n` binary searches). What followed the occurrences,
+`tokens[e + 1: e + 1 + depth]`, is read for up to `SAMPLE` of them, evenly spread over the range (the range is
+ordered by the context further left, which says little about what follows, so an even sample is a fair
+one), and merged into a trie with counts (`Datastore.branches`). Size on disk: 2 bytes a token (4 for
+vocabularies over 65,535 ids) and 4 for its sorted position; memory as on disk, plus nothing per lookup.
+
+Scores. Packing compares drafted, looked-up and retrieved nodes on one scale, the log-probability of the
+path. A retrieved node's step probability is an estimate that the target produces its token given that it
+produced the parent's, from the node's evidence: `n`, the length of the context the counts condition on
+(the match plus the node's depth - 1), `share = count / parent count`, and `support = parent count`:
+
+    p = sigmoid(a + b * logit(share') + c * log(n) + d * log(support)),
+    share' = (count + 0.5) / (parent count + 1)       (no share of 0 or 1 on little evidence)
+
+The coefficients `DATASTORE_CALIBRATION` were fitted (logistic regression, `scripts/calibrate_datastore.py`)
+on the target's float32 greedy answers to 300 held-out training prompts (`sharegpt_smollm2_regen_part2.jsonl`),
+with a store built from the other shared responses and `training_data/`, at every other position of the
+first 128 tokens of each answer: whether each trie node's token was the target's next one, given that its
+parent's was. Nodes whose path probability falls under `MIN_PATH_PROB` are not proposed (a node costs a
+few percent of a plain step to verify on a CPU), and at most `MAX_NODES` are (the most probable paths).
+
+Growing with use. `Datastore.add(ids)` indexes a finished output too (`generate` does it when the drafter's
+`datastore_grow_tokens` is above 0): what is added lives in a second, small index, rebuilt on each add,
+holding the most recent `grow_tokens` tokens (older outputs are dropped first), so memory stays bounded.
+
+Stored as `datastore.safetensors` (no pickle) in the drafter's directory: tensors `tokens` and `positions`,
+metadata `format`, `version`, `vocab_size`, `max_match`. Loading checks the format, the vocabulary and the
+index's shape, and refuses a damaged or foreign file naming it, before any decoding.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from bisect import bisect_left, bisect_right
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+DATASTORE_FILE = "datastore.safetensors"
+FORMAT = "hf_treespark.datastore"
+VERSION = "1"
+MAX_MATCH = 8  # the longest suffix looked up (tokens)
+MIN_MATCH = 2  # shorter matches propose nothing (a single token says little about what follows)
+HEADER_TOKENS = 4  # prompt tokens kept before each stored response (the assistant header)
+SAMPLE = 64  # occurrences read per match
+DEPTH = 8  # tokens read after each occurrence
+MAX_NODES = 8  # retrieved nodes proposed per round at most
+MIN_PATH_PROB = 0.1  # ... each with an estimated path probability at least this
+DATASTORE_CALIBRATION = (-0.45, 0.62, 0.28, 0.12)  # a, b, c, d of the step probability (module docstring)
+SEPARATOR = -1
+
+
+class DatastoreError(ValueError):
+    """A datastore file that is damaged, or built for another vocabulary."""
+
+
+class _Index:
+    """One sorted index: `tokens` (int32, separators between sequences and `MAX_MATCH` before the first, `DEPTH`
+    after the last) and `positions` (int32: every token's position, ordered by its left context)."""
+
+    def __init__(self, tokens: np.ndarray, positions: np.ndarray):
+        self.tokens = tokens
+        self.positions = positions
+        self._tokens = memoryview(tokens)  # Python ints at list speed for the binary searches
+        self._positions = memoryview(positions)
+
+    @classmethod
+    def build(cls, sequences: Iterable[Sequence[int]]) -> _Index:
+        pieces = [np.full(MAX_MATCH, SEPARATOR, np.int32)]
+        for seq in sequences:
+            if len(seq):
+                pieces.append(np.asarray(seq, dtype=np.int32))
+                pieces.append(np.full(1, SEPARATOR, np.int32))
+        pieces.append(np.full(DEPTH, SEPARATOR, np.int32))
+        tokens = np.ascontiguousarray(np.concatenate(pieces))
+        ends = np.flatnonzero(tokens != SEPARATOR).astype(np.int32)
+        # sort by tokens[e], then tokens[e - 1], ...: lexsort's last key is the primary one
+        keys = [tokens[ends - k] for k in range(MAX_MATCH - 1, -1, -1)]
+        return cls(tokens, np.ascontiguousarray(ends[np.lexsort(keys)]))
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def match(self, suffix: Sequence[int]) -> tuple[int, int, int]:
+        """`(n, lo, hi)`: the longest `n` such that the last `n` tokens of `suffix` occur, at `positions[lo:hi]`."""
+        tokens, positions = self._tokens, self._positions
+        lo, hi, n = 0, len(self.positions), 0
+        for k in range(min(MAX_MATCH, len(suffix))):
+            token = suffix[-1 - k]
+            key = lambda i, k=k: tokens[positions[i] - k]  # noqa: E731
+            new_lo = bisect_left(range(len(self.positions)), token, lo, hi, key=key)
+            new_hi = bisect_right(range(len(self.positions)), token, new_lo, hi, key=key)
+            if new_lo == new_hi:
+                break
+            lo, hi, n = new_lo, new_hi, k + 1
+        return n, lo, hi
+
+    def follow(self, lo: int, hi: int, depth: int) -> np.ndarray:
+        """`[m, depth]`: what followed up to `SAMPLE` of the occurrences `positions[lo:hi]`, evenly spread."""
+        count = hi - lo
+        picks = lo + (np.arange(min(count, SAMPLE)) * count) // min(count, SAMPLE)
+        ends = self.positions[picks]
+        return self.tokens[ends[:, None] + 1 + np.arange(depth)]
+
+
+class Datastore:
+    """The target's earlier outputs, indexed for longest-suffix lookup (see the module docstring).
+
+    `Datastore.build(sequences, vocab_size)`, `Datastore.load(directory_or_file, vocab_size)`, `save(directory)`;
+    `branches(history)` proposes a round's retrieved nodes; `add(ids)` indexes a new output.
+    """
+
+    def __init__(self, index: _Index, vocab_size: int, grow_tokens: int = 0):
+        self.index = index
+        self.vocab_size = int(vocab_size)
+        self.grow_tokens = int(grow_tokens)
+        self.grown: list[np.ndarray] = []
+        self.grown_index: _Index | None = None
+
+    @classmethod
+    def build(cls, sequences: Iterable[Sequence[int]], vocab_size: int) -> Datastore:
+        """Index `sequences` (lists of token ids, each below `vocab_size`)."""
+        sequences = [list(map(int, seq)) for seq in sequences]
+        for i, seq in enumerate(sequences):
+            if seq and (min(seq) < 0 or max(seq) >= vocab_size):
+                bad = next(t for t in seq if not 0 <= t < vocab_size)
+                raise DatastoreError(f"sequence {i} holds token id {bad}, outside the vocabulary [0, {vocab_size})")
+        if not any(sequences):
+            raise DatastoreError("no tokens to index: the data holds no response")
+        return cls(_Index.build(sequences), vocab_size)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.index) + (len(self.grown_index) if self.grown_index is not None else 0)
+
+    def __repr__(self) -> str:
+        grown = sum(len(g) for g in self.grown)
+        return f"Datastore({len(self.index):,} tokens, vocab_size={self.vocab_size}, grown={grown:,})"
+
+    # ----- lookup ---------------------------------------------------------------------------------------
+    def lookup(self, history: Sequence[int], depth: int = DEPTH) -> tuple[int, np.ndarray]:
+        """`(n, follow)`: the longest suffix of `history` found (`n` tokens, 0 if under `MIN_MATCH`) in the store
+        or in what was added, and `[m, depth]` tokens that followed its occurrences (separator-padded)."""
+        suffix = list(history[-MAX_MATCH:])
+        found = [(index.match(suffix), index) for index in (self.index, self.grown_index) if index is not None]
+        n = max(m for (m, _, _), _ in found)
+        if n < MIN_MATCH:
+            return 0, np.zeros((0, depth), np.int32)
+        rows = [index.follow(lo, hi, depth) for (m, lo, hi), index in found if m == n]
+        return n, np.concatenate(rows) if len(rows) > 1 else rows[0]
+
+    def counts(self, history: Sequence[int], depth: int = DEPTH) -> tuple[int, dict[tuple[int, ...], int], int]:
+        """`(n, counts, total)`: the match length, how often each continuation prefix followed the `total` read
+        occurrences of the longest suffix of `history` (`{(t1, ..., td): count}`), and `total`."""
+        n, follow = self.lookup(history, depth)
+        counts: dict[tuple[int, ...], int] = {}
+        for row in follow.tolist():
+            for d in range(depth):
+                if row[d] == SEPARATOR:
+                    break
+                prefix = tuple(row[: d + 1])
+                counts[prefix] = counts.get(prefix, 0) + 1
+        return n, counts, len(follow)
+
+    def branches(self, history: Sequence[int], depth: int = DEPTH, max_nodes: int = MAX_NODES,
+                 min_path_prob: float = MIN_PATH_PROB) -> list[tuple[int, int, float]]:
+        """This round's retrieved nodes for the text `history` (its last token is the tree's root `x0`): a list of
+        `(parent, token, log_step_prob)` in an order where parents come first; `parent` is -1 (the root) or an
+        index into the list. At most `max_nodes`, the most probable paths with probability >= `min_path_prob`."""
+        n, counts, total = self.counts(history, depth)
+        if n == 0:
+            return []
+        floor = math.log(min_path_prob)
+        paths = {(): 0.0}  # prefix -> log path probability
+        for prefix in sorted(counts, key=len):  # parents before children
+            parent = prefix[:-1]
+            if parent in paths:
+                step = step_log_prob(counts[prefix], counts.get(parent, total), n + len(prefix) - 1)
+                if paths[parent] + step >= floor:
+                    paths[prefix] = paths[parent] + step
+        kept = sorted((p for p in paths if p), key=lambda p: (-paths[p], len(p)))[:max_nodes]
+        kept.sort(key=len)  # the best paths are prefix-closed (a path never beats its parent): parents first
+        where = {(): -1}
+        nodes = []
+        for prefix in kept:
+            where[prefix] = len(nodes)
+            nodes.append((where[prefix[:-1]], prefix[-1], paths[prefix] - paths[prefix[:-1]]))
+        return nodes
+
+    # ----- growing --------------------------------------------------------------------------------------
+    def add(self, ids: Sequence[int]) -> None:
+        """Index one more output (token ids), keeping the most recent `grow_tokens` added tokens (0: nothing)."""
+        if self.grow_tokens <= 0 or len(ids) == 0:
+            return
+        seq = np.asarray(ids, dtype=np.int64)
+        seq = seq[(seq >= 0) & (seq < self.vocab_size)].astype(np.int32)[-self.grow_tokens:]
+        self.grown.append(seq)
+        while sum(len(g) for g in self.grown) > self.grow_tokens:
+            self.grown.pop(0)
+        self.grown_index = _Index.build(self.grown)
+
+    # ----- saving and loading ---------------------------------------------------------------------------
+    def save(self, directory: str | os.PathLike) -> Path:
+        """Write `datastore.safetensors` into `directory` (what was added by `add` is not saved)."""
+        from safetensors.numpy import save_file
+
+        path = Path(directory) / DATASTORE_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        compact = np.uint16 if self.vocab_size < np.iinfo(np.uint16).max else np.int32
+        tokens = self.index.tokens.astype(compact)  # the separator -1 becomes 65535 in uint16
+        tmp = path.with_name(path.name + ".tmp")
+        save_file({"tokens": tokens, "positions": self.index.positions}, str(tmp),
+                  metadata={"format": FORMAT, "version": VERSION, "vocab_size": str(self.vocab_size),
+                            "max_match": str(MAX_MATCH)})
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, vocab_size: int | None = None, grow_tokens: int = 0) -> Datastore:
+        """Read a datastore file (or the one in a directory). Raises `DatastoreError` naming the file when it is
+        damaged, not a datastore, or (given `vocab_size`) built for another vocabulary."""
+        from safetensors import safe_open
+
+        path = Path(path)
+        if path.is_dir():
+            path = path / DATASTORE_FILE
+        if not path.is_file():
+            raise DatastoreError(f"no datastore at {path}: build one with `treespark datastore --data FILES "
+                                 f"--output {path.parent}`")
+        try:
+            with safe_open(str(path), framework="numpy") as f:
+                meta = f.metadata() or {}
+                if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+                    raise DatastoreError(f"{path} is not an hf_treespark datastore (format {meta.get('format')!r}, "
+                                         f"version {meta.get('version')!r})")
+                tokens, positions = f.get_tensor("tokens"), f.get_tensor("positions")
+        except DatastoreError:
+            raise
+        except Exception as err:  # safetensors raises its own error types for a cut or edited file
+            raise DatastoreError(f"the datastore file {path} is damaged ({err}): rebuild it with `treespark "
+                                 "datastore`") from None
+        stored_vocab = int(meta.get("vocab_size", -1))
+        if vocab_size is not None and stored_vocab != vocab_size:
+            raise DatastoreError(f"the datastore {path} was built for a vocabulary of {stored_vocab} ids, not this "
+                                 f"target's {vocab_size}: build one from this target's outputs")
+        problem = _index_problem(tokens, positions, stored_vocab, int(meta.get("max_match", -1)))
+        if problem is not None:
+            raise DatastoreError(f"the datastore file {path} is damaged ({problem}): rebuild it with `treespark "
+                                 "datastore`")
+        words = tokens.astype(np.int32)
+        if tokens.dtype == np.uint16:
+            words[tokens == np.iinfo(np.uint16).max] = SEPARATOR
+        tokens = words
+        return cls(_Index(np.ascontiguousarray(tokens), np.ascontiguousarray(positions)), stored_vocab, grow_tokens)
+
+
+def sequences_from_references(references) -> list[list[int]]:
+    """What the datastore indexes of each reference sequence (`training.data.ReferenceSequence`: `input_ids`,
+    `prompt_len`): the response, preceded by the last `HEADER_TOKENS` tokens of its prompt."""
+    return [ref.input_ids[max(0, ref.prompt_len - HEADER_TOKENS):] for ref in references]
+
+
+def step_log_prob(count: int, parent_count: int, context: int) -> float:
+    """`log p` that the target produces a retrieved token seen `count` times after `parent_count` occurrences of
+    its `context`-token left context (the calibration of the module docstring)."""
+    a, b, c, d = DATASTORE_CALIBRATION
+    share = (count + 0.5) / (parent_count + 1.0)
+    z = a + b * math.log(share / (1.0 - share)) + c * math.log(context) + d * math.log(parent_count)
+    return -math.log1p(math.exp(-z)) if z > -30 else z
+
+
+def _index_problem(tokens: np.ndarray, positions: np.ndarray, vocab_size: int, max_match: int) -> str | None:
+    if max_match != MAX_MATCH:
+        return f"max_match {max_match}, this version reads {MAX_MATCH}"
+    if tokens.ndim != 1 or positions.ndim != 1 or tokens.dtype not in (np.uint16, np.int32) \
+            or positions.dtype != np.int32:
+        return "tensors of the wrong shape or type"
+    if vocab_size < 1:
+        return "no vocabulary size"
+    separator = np.iinfo(np.uint16).max if tokens.dtype == np.uint16 else SEPARATOR
+    words = tokens != separator
+    if words.sum() != len(positions):
+        return f"{int(words.sum())} tokens but {len(positions)} sorted positions"
+    if len(tokens) < MAX_MATCH + DEPTH or words[:MAX_MATCH].any() or words[-DEPTH:].any():
+        return "the separators around the tokens are missing"
+    if int(tokens[words].max(initial=0)) >= vocab_size or int(tokens[words].min(initial=0)) < 0:
+        return "a token id outside the vocabulary"
+    if len(positions) and (positions.min() < MAX_MATCH or positions.max() >= len(tokens) - DEPTH
+                           or not words[positions].all()):
+        return "a sorted position that is not a token"
+    first = tokens[positions].astype(np.int64)
+    if (np.diff(first) < 0).any():
+        return "the positions are not sorted"
+    return None
