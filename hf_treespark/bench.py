@@ -54,14 +54,19 @@ METHODS = {
     for m in (
         Method("plain", "plain greedy", None),
         Method("prompt_lookup", "prompt lookup", None, {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}),
-        Method("dspark", "DSpark (chain)", "dspark", {"tree_chain": True, "tree_lookup": 0}),
-        Method("dspark_tree", "DSpark + Tree", "dspark_tree", {"tree_lookup": 0}),
-        Method("treespark_chain", "TreeSpark drafter, chain", "treespark", {"tree_chain": True, "tree_lookup": 0}),
-        Method("treespark", "TreeSpark", "treespark", {"tree_lookup": 0}),
-        Method("treespark_lookup", "TreeSpark + lookup", "treespark", {"tree_lookup": LOOKUP_TOKENS}),
+        Method("dspark", "DSpark (chain)", "dspark", {"tree_chain": True, "tree_lookup": 0, "tree_datastore": False}),
+        Method("dspark_tree", "DSpark + Tree", "dspark_tree", {"tree_lookup": 0, "tree_datastore": False}),
+        Method("treespark_chain", "TreeSpark drafter, chain", "treespark",
+               {"tree_chain": True, "tree_lookup": 0, "tree_datastore": False}),
+        Method("treespark", "TreeSpark", "treespark", {"tree_lookup": 0, "tree_datastore": False}),
+        Method("treespark_lookup", "TreeSpark + lookup", "treespark",
+               {"tree_lookup": LOOKUP_TOKENS, "tree_datastore": False}),
+        Method("treespark_datastore", "TreeSpark + lookup + datastore", "treespark",
+               {"tree_lookup": LOOKUP_TOKENS, "tree_datastore": True}),
     )
 }
-TREE_METHODS = ("dspark_tree", "treespark", "treespark_lookup")  # these share one tree budget
+# these share one tree budget
+TREE_METHODS = ("dspark_tree", "treespark", "treespark_lookup", "treespark_datastore")
 
 
 class BenchmarkError(RuntimeError):
@@ -83,6 +88,7 @@ class MethodResult:
     rounds_reaching_depth: list[int] = field(default_factory=list)
     rounds: int = 0
     lookup_accepted: int = 0  # accepted tokens that only a lookup branch had proposed
+    datastore_accepted: int = 0  # accepted tokens that only the datastore had proposed
     exact: int = 0
     tokens_per_second: float | None = None
     speedup: float | None = None
@@ -212,6 +218,7 @@ def run_benchmark(target, tokenizer, drafters: dict, suites=SUITES, methods=tupl
                 if rounds is not None:
                     row.rounds += len(rounds)
                     row.lookup_accepted += sum(r.lookup_accepted for r in rounds)
+                    row.datastore_accepted += sum(r.datastore_accepted for r in rounds)
                     for r in rounds:
                         for d in range(min(r.num_accepted, depth)):
                             row.rounds_reaching_depth[d] += 1
@@ -258,7 +265,7 @@ def run_benchmark(target, tokenizer, drafters: dict, suites=SUITES, methods=tupl
 
 # (method, baseline) pairs whose per-prompt acceptance lengths are compared in the report
 PAIRS = (("dspark_tree", "dspark"), ("treespark", "dspark_tree"), ("treespark", "treespark_chain"),
-         ("treespark_lookup", "treespark"))
+         ("treespark_lookup", "treespark"), ("treespark_datastore", "treespark_lookup"))
 
 
 def paired_differences(report: dict) -> list[dict]:
@@ -287,6 +294,17 @@ def _fmt(value, spec: str = ".2f") -> str:
     return "–" if value is None else format(value, spec)
 
 
+SHARE_COLUMNS = {"lookup_accepted": ("treespark_lookup", "treespark_datastore"),
+                 "datastore_accepted": ("treespark_datastore",)}  # the methods that can have such tokens
+
+
+def _share(row: dict, key: str) -> str:
+    """The share of a method's new tokens that only lookup (`lookup_accepted`) or only the datastore proposed."""
+    if row["method"] not in SHARE_COLUMNS[key] or not row["new_tokens"]:
+        return "–"
+    return f"{100 * row.get(key, 0) / row['new_tokens']:.1f}%"
+
+
 def markdown_table(report: dict) -> str:
     """The report as markdown: one row per suite and method, then acceptance by depth."""
     cfg = report["config"]
@@ -298,15 +316,14 @@ def markdown_table(report: dict) -> str:
         f"transformers {cfg['transformers']}.",
         "",
         "| suite | method | acceptance length | tokens/s | speedup vs plain | exact | new tokens from lookup "
-        "| SD over prompts |",
-        "|---|---|---|---|---|---|---|---|",
+        "| new tokens from datastore | SD over prompts |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in report["results"]:
-        from_lookup = (f"{100 * row.get('lookup_accepted', 0) / row['new_tokens']:.1f}%"
-                       if row["method"] == "treespark_lookup" and row["new_tokens"] else "–")
         lines.append(f"| {SUITE_LABELS[row['suite']]} | {row['label']} | {_fmt(row['acceptance_length'])} | "
                      f"{_fmt(row['tokens_per_second'], '.1f')} | {_fmt(row['speedup'])}x | "
-                     f"{row['exact']}/{row['prompts']} | {from_lookup} | {_fmt(row.get('acceptance_sd'))} |")
+                     f"{row['exact']}/{row['prompts']} | {_share(row, 'lookup_accepted')} | "
+                     f"{_share(row, 'datastore_accepted')} | {_fmt(row.get('acceptance_sd'))} |")
     pairs = paired_differences(report)
     if pairs:
         lines += ["", "Paired per-prompt differences in acceptance length (same prompts; SE = SD / sqrt(n)):", "",
@@ -404,7 +421,7 @@ def write_report(report: dict, out_dir: str | Path) -> list[Path]:
 
 
 PROFILE_BUDGETS = (4, 8, 16)
-PROFILE_PHASES = ("draft", "tree", "verify", "walk", "commit")
+PROFILE_PHASES = ("draft", "tree", "datastore", "verify", "walk", "commit")
 
 
 def _timed_generate(target, inputs: dict, **kwargs):

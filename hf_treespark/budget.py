@@ -9,10 +9,20 @@ A round commits `tau(N)` tokens on average (acceptance length at budget `N`) and
 (one drafter pass and the tree build) are measured once per device, dtype and model shape by
 `calibrate_latency` (`treespark calibrate`, or the first `treespark generate`), and cached in
 `<cache dir>/round_latency.json`. Decoding never measures: without a cached entry, "auto" uses
-`fallback_budget` (a small tree on CPUs, a large one on accelerators). `tau(N)` comes from the drafter's measured
-`config.acceptance_profile` (`{N: tau}`, written by `calibrate_acceptance`) when it has one, and
-otherwise from the drafter's own tree scores for the current prompt: with scores `s_i`, the
-expected number of accepted nodes of the top-`N` tree is `sum_{i <= N} exp(s_i)`.
+`fallback_budget` (for a calibrated drafter on a CPU, the budget its profile implies under
+`DEFAULT_CPU_ROUND_COST`; else a small tree on CPUs, a large one on accelerators).
+
+A measurement is trusted only when it is this machine's steady cost: every forward is timed
+`LATENCY_REPEATS` times, the budgets interleaved and rotated so that a burst of load slows all of them alike,
+and the minimum kept; the table must pass `latency_problem` (times of the right type and range, verify and
+draft non-decreasing in `N` within noise, the drafter's pass roughly flat) and other processes must have kept
+less than `BUSY_CORES` cores busy meanwhile (`/proc/stat`). Otherwise it is measured once more, and then, if
+it still fails, not stored. Reading never raises: a damaged or implausible file or entry is ignored with one
+warning naming it; an unwritable location keeps measurements for the process; writes merge under a lock.
+
+`tau(N)` comes from the drafter's measured `config.acceptance_profile` (`{N: tau}`, written by
+`calibrate_acceptance`) when it has one, and otherwise from the drafter's own tree scores for the current
+prompt: with scores `s_i`, the expected number of accepted nodes of the top-`N` tree is `sum_{i <= N} exp(s_i)`.
 On a GPU verify latency is nearly flat in `N` and the best budget is large; on a small CPU it
 grows with `N` from the start and the best budget is small.
 
@@ -54,6 +64,15 @@ SHAPE_TOLERANCE = 0.25  # a larger budget may time this much (relative) below a 
 SHAPE_FLOOR_S = 0.0005  # ... or this much (absolute, seconds): tiny models' timings are all overhead
 DRAFT_SPREAD = 4.0  # the drafter's pass may differ this much across budgets (its tree expands deeper)
 BUSY_CORES = 0.3  # other processes' CPU use during a measurement, in cores, beyond which it is not stored
+# What a round (drafter pass, tree, verify forward) costs in plain decoding steps, by budget, measured with the
+# shipped drafter on this project's two kinds of 2-core CPU: "auto"'s cost model until this machine's own
+# latency is measured and trusted (`default_round_cost`). float32: AMD EPYC with AVX2 only, `treespark
+# calibrate --latency-only --force`, session 13; bfloat16: AMD EPYC with avx512_bf16, `treespark bench
+# --profile`, session 12 (README, "What a round costs").
+DEFAULT_CPU_ROUND_COST = {
+    "float32": {2: 1.34, 4: 1.59, 8: 1.76, 16: 2.04, 32: 2.54, 64: 3.68},
+    "bfloat16": {4: 1.25, 8: 1.36, 16: 1.58},
+}
 
 
 def is_auto(budget) -> bool:
@@ -351,16 +370,15 @@ def round_latency(target, drafter, policy: TreePolicy, budgets=CANDIDATE_BUDGETS
     problem = None
     for _ in range(2):
         measured = measure_round_latency(target, drafter, policy, budgets, context)
-        problem = latency_problem(measured, budgets)
         load = measured.get("others_load")
-        if problem is None and load is not None and load > BUSY_CORES:
-            problem = f"other processes kept {load:.1f} CPU cores busy while it was measured"
+        problem = (f"other processes kept {load:.1f} CPU cores busy while it was measured"
+                   if load is not None and load > BUSY_CORES else latency_problem(measured, budgets))
         if problem is None:
             break
     if problem is not None:
         _untrusted.add((str(path), key))
         _warn_once(f"hf_treespark: the round latency measured on this machine is not stored ({problem}). "
-                   f"tree_budget='auto' uses its default ({fallback_budget(target, policy)}) until "
+                   f"tree_budget='auto' uses its default ({fallback_budget(target, policy, drafter)}) until "
                    "`treespark calibrate --force` measures it on a quiet machine.")
         return None
     _untrusted.discard((str(path), key))
@@ -447,9 +465,25 @@ def _budgets_for(policy: TreePolicy, budgets=CANDIDATE_BUDGETS) -> tuple[int, ..
     return tuple(n for n in budgets if n <= pool) or (pool,)
 
 
-def fallback_budget(target, policy: TreePolicy) -> int:
-    """The budget "auto" uses before this device's latency is measured: small on CPUs (verify cost grows
+def default_round_cost(target, budgets) -> dict[int, float] | None:
+    """What a round costs in plain steps, by budget, on this kind of device before (or without) a trusted
+    measurement of this machine: `DEFAULT_CPU_ROUND_COST` for a CPU in its dtype, for the budgets it has a
+    figure for; None elsewhere."""
+    param = next(target.parameters())
+    table = DEFAULT_CPU_ROUND_COST.get(str(param.dtype).removeprefix("torch.")) if param.device.type == "cpu" else None
+    costs = {n: table[n] for n in budgets if n in table} if table else {}
+    return costs or None
+
+
+def fallback_budget(target, policy: TreePolicy, drafter=None) -> int:
+    """The budget "auto" uses without this device's (trusted) latency: for a drafter with a calibrated
+    `acceptance_profile` on a CPU, the best under `default_round_cost`; else small on CPUs (verify cost grows
     with `N` from the start), large on accelerators (nearly flat in `N`)."""
+    profile = getattr(getattr(drafter, "config", None), "acceptance_profile", None)
+    costs = default_round_cost(target, _budgets_for(policy)) if profile else None
+    if costs:
+        acceptance = profile_acceptance(profile, sorted(costs))
+        return max(costs, key=lambda n: (acceptance[n] / costs[n], -n))
     device = next(target.parameters()).device
     return min(FALLBACK_BUDGET["cpu" if device.type == "cpu" else "accelerator"], policy.budget)
 
@@ -464,8 +498,9 @@ def gate_threshold(target, drafter, policy: TreePolicy) -> float:
     latency = round_latency(target, drafter, policy, budgets, measure=False)
     if latency is None:
         device = next(target.parameters()).device
-        threshold = FALLBACK_GATE["cpu" if device.type == "cpu" else "accelerator"]
-        n = fallback_budget(target, policy) if policy.auto else policy.budget
+        n = fallback_budget(target, policy, drafter) if policy.auto else policy.budget
+        costs = default_round_cost(target, [n])
+        threshold = costs[n] - 1.0 if costs else FALLBACK_GATE["cpu" if device.type == "cpu" else "accelerator"]
     else:
         n = min(budgets) if policy.auto else min(budgets, key=lambda b: (abs(b - policy.budget), b))
         threshold = max(0.0, (latency["draft"][n] + latency["verify"][n]) / latency["verify"][0] - 1.0)
@@ -523,7 +558,7 @@ def auto_budget(target, drafter, policy: TreePolicy, first_tree_scores: torch.Te
     budgets = _budgets_for(policy, budgets)
     latency = round_latency(target, drafter, policy, budgets, measure=False)
     if latency is None:
-        return fallback_budget(target, policy)
+        return fallback_budget(target, policy, drafter)
     profile = getattr(drafter.config, "acceptance_profile", None)
     if profile:
         acceptance = profile_acceptance(profile, budgets)

@@ -42,6 +42,14 @@ def source_card(drafter) -> Path | None:
     return card if card is not None and card.is_file() else None
 
 
+def _datastore(drafter) -> str:
+    store = getattr(drafter, "datastore", None)
+    if store is None:
+        return "none (`treespark datastore` builds one)"
+    state = "on" if getattr(drafter.config, "tree_datastore", True) else "off"
+    return f"{state}: `datastore.safetensors`, {store.num_tokens:,} tokens of the target's earlier outputs"
+
+
 def model_card(drafter, acceptance_table: str | None = None, repo_id: str | None = None) -> str:
     """A markdown model card for `drafter`: target pairing, architecture, tree policy, acceptance, usage.
 
@@ -125,6 +133,7 @@ def model_card(drafter, acceptance_table: str | None = None, repo_id: str | None
         f"| tree_lookup (tokens per lookup branch, 0 = off) | {cfg.tree_lookup} |",
         f"| max depth (block size) | {cfg.block_size} |",
         f"| draft vocabulary | {_draft_vocabulary(cfg)} |",
+        f"| tree_datastore (retrieved branches) | {_datastore(drafter)} |",
         "",
         "## Measured acceptance",
         "",

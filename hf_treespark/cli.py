@@ -41,6 +41,9 @@ def cmd_generate(args) -> int:
     if args.topk is not None:
         knobs["tree_topk"] = args.topk
     sample = {"do_sample": True, "temperature": args.temperature} if args.temperature > 0 else {"do_sample": False}
+    if args.compare:  # the first calls of a process pay one-time costs (packed weights, lazy set-up): not timed
+        target.generate(**inputs, max_new_tokens=4, **sample)
+        target.generate(**inputs, assistant_model=drafter, max_new_tokens=4, **sample, **knobs)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     start = time.perf_counter()
     out = target.generate(**inputs, assistant_model=drafter, max_new_tokens=args.max_new_tokens, streamer=streamer,
@@ -151,7 +154,7 @@ def _print_latency(latency, target, drafter, policy) -> None:
 
     if latency is None:
         print(f"[calibrate] no trusted round latency for this machine: tree_budget='auto' uses its default, "
-              f"{fallback_budget(target, policy)} (see the warning above; measure again on a quiet machine "
+              f"{fallback_budget(target, policy, drafter)} (see the warning above; measure again on a quiet machine "
               "with --force)")
         return
     profile = getattr(drafter.config, "acceptance_profile", None)

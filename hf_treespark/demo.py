@@ -33,6 +33,7 @@ from .tree import TreePolicy
 BAND_COLOURS = ("#ffd6a5", "#b9fbc0", "#a3c4f3", "#fdffb6", "#ffc6ff", "#98f5e1", "#cfbaf0", "#ffadad")
 PREFILL_COLOUR = "#e4e4e4"
 LOOKUP_COLOUR = "#8e24aa"  # outline of tree nodes that a lookup branch proposed
+DATASTORE_COLOUR = "#ef6c00"  # outline of tree nodes that only the datastore proposed
 # Range of each control; the sliders use it and `check_request` enforces it for API callers.
 LIMITS = {"max_new_tokens": (1, 1024), "tree_budget": (1, 128), "tree_topk": (1, 8), "temperature": (0.0, 2.0),
           "tree_lookup": (0, 7)}
@@ -328,6 +329,7 @@ class DemoRun:
             "num_rounds": len(lengths),
             "new_tokens": self.num_new_tokens,
             "lookup_tokens": sum(r.lookup_accepted for r in records),
+            "datastore_tokens": sum(r.datastore_accepted for r in records),
             "acceptance_length": sum(lengths) / len(lengths) if lengths else 0.0,
             "tokens_per_s": self.tokens_per_second(),
             "seconds": self.seconds,
@@ -358,6 +360,7 @@ class DemoRun:
             "num_accepted": None if record is None else record.num_accepted,
             "tree_size": None if record is None else record.tree_size,
             "lookup_accepted": None if record is None else record.lookup_accepted,
+            "datastore_accepted": None if record is None else record.datastore_accepted,
             "bonus": band.bonus,
         } for i, (band, record) in enumerate(zip(self.bands[1:], records, strict=False))]
         stats = self.stats()
@@ -430,6 +433,9 @@ def render_stats(stats: dict, status: str = "") -> str:
     ]
     if stats.get("lookup_tokens"):
         tiles.append(("from lookup", f"{stats['lookup_tokens']}", "accepted tokens only a lookup branch drafted"))
+    if stats.get("datastore_tokens"):
+        tiles.append(("from datastore", f"{stats['datastore_tokens']}",
+                      "accepted tokens only the datastore (the target's earlier answers) proposed"))
     plain = stats.get("plain")
     if plain is not None:
         speedup = "–" if plain["speedup"] is None else f"{plain['speedup']:.2f}×"
@@ -520,6 +526,7 @@ def render_tree(record: RoundRecord, labels: dict[int, str] | Callable[[int], st
     node_style = {"accepted": ("#c8e6c9", "#2e7d32", "#111"), "packed": ("#e3f2fd", "#64b5f6", "#111"),
                   "pruned": ("#ffffff", "#cfcfcf", "#9e9e9e")}
     from_lookup = cand.get("lookup") or [False] * num_cand
+    from_store = cand.get("retrieved") or [False] * num_cand
     for c in [-1, *range(num_cand)]:
         x, y = pos[c]
         if c == -1:
@@ -529,19 +536,22 @@ def render_tree(record: RoundRecord, labels: dict[int, str] | Callable[[int], st
             fill, stroke, ink = node_style[kind]
             if from_lookup[c]:
                 stroke = LOOKUP_COLOUR
+            elif from_store[c]:
+                stroke = DATASTORE_COLOUR
         outline = ' stroke-dasharray="3,2"' if kind == "pruned" else ""
         if c == bonus_hit and c != -1:
             stroke, outline = "#f9a825", ' stroke-width="2.5"'
         text = label(token)
         short = text if len(text) <= 9 else text[:8] + "…"
         state = "root (x0)" if c == -1 else f"depth {cand['depths'][c]}, {kind}" + (
-            ", from a lookup branch" if from_lookup[c] else "")
+            ", from a lookup branch" if from_lookup[c] else ", from the datastore" if from_store[c] else "")
         title = f"{text!r} · {state}" + ("" if score is None else f" · score {score:.3f}")
         score_text = "" if score is None else (
             f'<text x="{x + NODE_W - 4:.1f}" y="{y + 14:.1f}" text-anchor="end" font-size="10" '
             f'fill="{ink}" opacity="0.75">{score:.2f}</text>')
         nodes.append(
-            f'<g class="ts-node ts-{kind}{" ts-lookup" if c >= 0 and from_lookup[c] else ""}" '
+            f'<g class="ts-node ts-{kind}{" ts-lookup" if c >= 0 and from_lookup[c] else ""}'
+            f'{" ts-datastore" if c >= 0 and from_store[c] else ""}" '
             f'data-candidate="{c}"><title>{html.escape(title)}</title>'
             f'<rect x="{x:.1f}" y="{y:.1f}" width="{NODE_W}" height="{NODE_H}" rx="4" fill="{fill}" '
             f'stroke="{stroke}"{outline}/>'
@@ -556,6 +566,7 @@ def render_tree(record: RoundRecord, labels: dict[int, str] | Callable[[int], st
                f'<b>Round {round_index + 1} of {num_rounds}</b> · packed {record.tree_size} of {num_cand} candidates '
                f'· accepted {record.num_accepted}'
                + (f" ({record.lookup_accepted} from lookup)" if record.lookup_accepted else "")
+               + (f" ({record.datastore_accepted} from the datastore)" if record.datastore_accepted else "")
                + f': <span style="background:{band_colour(round_index)};'
                f'padding:1px 4px;border-radius:3px">{committed or "–"}</span>{bonus}</div>')
     legend = ('<div class="ts-legend" style="font-size:12px;color:#444;margin-bottom:4px">'
@@ -565,6 +576,7 @@ def render_tree(record: RoundRecord, labels: dict[int, str] | Callable[[int], st
               + swatch("#fff", "#cfcfcf", "proposed, pruned by packing")
               + swatch("#fff", "#f9a825", "carries the target's bonus token")
               + swatch("#fff", LOOKUP_COLOUR, "from a lookup branch (earlier text)")
+              + swatch("#fff", DATASTORE_COLOUR, "from the datastore (the target's earlier answers)")
               + " · number = joint score Σ log p</div>")
     svg = (f'<svg class="ts-tree-svg" xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
            f'viewBox="0 0 {width:.0f} {height:.0f}">{"".join(edges)}{"".join(nodes)}</svg>')

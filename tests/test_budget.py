@@ -125,8 +125,10 @@ def test_config_accepts_auto_and_a_profile_and_refuses_nonsense(tmp_path):
 def test_the_gate_threshold_is_a_drafter_rounds_extra_cost_in_plain_steps(latency_cache, monkeypatch):
     target = make_target("llama")
     drafter = make_drafter(target)
-    # nothing measured yet: the device kind's fallback
-    assert budget.gate_threshold(target, drafter, TreePolicy(budget=8)) == budget.FALLBACK_GATE["cpu"]
+    # nothing measured yet: the default round cost of this kind of CPU, or the device kind's fallback
+    default = budget.DEFAULT_CPU_ROUND_COST["float32"]
+    assert math.isclose(budget.gate_threshold(target, drafter, TreePolicy(budget=8)), default[8] - 1)
+    assert budget.gate_threshold(target, drafter, TreePolicy(budget=6)) == budget.FALLBACK_GATE["cpu"]
     verify = {0: 0.100, 2: 0.117, 4: 0.122, 8: 0.141}
     draft = {2: 0.020, 4: 0.021, 8: 0.022}
     monkeypatch.setattr(budget, "round_latency", lambda *a, **k: {"verify": verify, "draft": draft})
@@ -363,7 +365,10 @@ def test_the_gate_stays_open_for_a_paying_drafter_without_a_cached_latency(laten
     assert not budget.has_latency(target, drafter, policy)
     assert budget.gate_threshold(target, drafter, policy) == 0.0
     weak = make_drafter(target, tree_budget="auto", tree_lookup=4, acceptance_profile={"2": 1.1, "4": 1.2})
-    assert budget.gate_threshold(target, weak, policy) == budget.FALLBACK_GATE["cpu"]
+    n = budget.fallback_budget(target, policy, weak) if policy.auto else policy.budget
+    costs = budget.default_round_cost(target, [n])
+    expected = costs[n] - 1 if costs else budget.FALLBACK_GATE["cpu"]
+    assert math.isclose(budget.gate_threshold(target, weak, policy), expected) and expected > 0.2
     # decoding with the open gate drafts in every round that is not lookup-only (this random drafter never gets a
     # token accepted, so a running gate would have closed after its first round)
     ids = torch.randint(4, 100, (1, 9), generator=torch.Generator().manual_seed(5))
@@ -454,3 +459,18 @@ def test_calibrate_shows_the_latency_table_and_the_budget_it_implies(drafter_dir
     assert len(calls) == 2  # --force measures again
     out = capsys.readouterr().out
     assert "plain step" in out and "verify ms" in out and "<- auto" in out
+
+
+def test_without_a_trusted_latency_auto_prices_a_calibrated_drafter_with_the_default_round_cost(latency_cache):
+    target = make_target("llama")
+    profile = {"2": 1.50, "4": 1.65, "8": 1.77, "16": 1.96, "32": 2.00, "64": 1.97}  # the shipped drafter's
+    drafter = make_drafter(target, tree_budget="auto", acceptance_profile=profile)
+    policy = TreePolicy.from_config(drafter.config)
+    cost = budget.DEFAULT_CPU_ROUND_COST["float32"]
+    budgets = [n for n in budget._budgets_for(policy) if n in cost]
+    best = max(budgets, key=lambda n: budget.profile_acceptance(profile, [n])[n] / cost[n])
+    assert budget.auto_budget(target, drafter, policy) == best == budget.fallback_budget(target, policy, drafter)
+    # the same choice on a machine whose measurement could not be trusted, and without a profile the constant
+    uncalibrated = make_drafter(target, tree_budget="auto")
+    assert budget.auto_budget(target, uncalibrated, policy) == budget.FALLBACK_BUDGET["cpu"]
+    assert budget.default_round_cost(make_target("llama", dtype=torch.float16), budgets) is None

@@ -19,7 +19,9 @@ import pytest
 import torch
 
 from hf_treespark.cli import main as treespark_main
+from hf_treespark.datastore import MAX_NODES
 from hf_treespark.demo import (
+    DATASTORE_COLOUR,
     Band,
     DemoSettings,
     TokenText,
@@ -124,6 +126,22 @@ def test_tree_drawing_marks_lookup_nodes_and_counts_their_tokens():
     assert "accepted 2 (1 from lookup)" in page
 
 
+def test_tree_drawing_colours_datastore_nodes_and_counts_their_tokens():
+    tree = {
+        "tokens": [10, 11, 12, 15], "parents": [-1, 0, 1, 0], "depths": [0, 1, 2, 1],
+        "scores": [0.0, -0.1, -0.7, -0.9], "lookup": [False, False, True, False], "retrieved": [False] * 3 + [True],
+        "candidates": {"tokens": [11, 12, 15], "parents": [-1, 0, -1], "depths": [1, 2, 1],
+                       "scores": [-0.1, -0.7, -0.9], "packed": [True, True, True], "node_index": [1, 2, 3],
+                       "lookup": [False, True, False], "retrieved": [False, False, True]},
+    }
+    record = RoundRecord(tree_size=3, num_accepted=1, accepted_path=[3], committed=[15, 13], tree=tree,
+                         datastore_accepted=1)
+    page = render_tree(record, {10: "a", 11: "b", 12: "c", 13: "d", 15: "e"}, 0, 1)
+    assert page.count("ts-datastore") == 1 and page.count("ts-lookup") == 1
+    assert "from the datastore" in page and "accepted 1 (1 from the datastore)" in page
+    assert DATASTORE_COLOUR in page
+
+
 def test_histogram_counts_rounds_per_committed_length():
     frame = acceptance_histogram([1, 3, 3, 8], depth=7)
     assert list(frame["tokens per round"]) == [str(k) for k in range(1, 9)]
@@ -217,9 +235,9 @@ def test_api_answer_equals_plain_greedy_with_per_round_data(client, models, plai
     # The prefill forward commits the first token, each round the rest.
     assert 1 + sum(len(r["committed"]) for r in rounds) == len(result["new_token_ids"])
     assert [t for r in rounds for t in r["committed_ids"]] == plain_greedy[1:]
-    # budget 8 for the drafter's nodes plus at most tree_lookup nodes from lookup branches, or a long
-    # lookup-only round; a round the drafter gate closed may verify the root alone (lookup.py)
-    most = max(8 + models[2].config.tree_lookup, LOOKUP_LONG_TOKENS)
+    # budget 8 for the drafter's nodes plus at most tree_lookup nodes from lookup branches and MAX_NODES from the
+    # datastore, or a long lookup-only round; a round the drafter gate closed may verify the root alone (lookup.py)
+    most = max(8 + models[2].config.tree_lookup + MAX_NODES, LOOKUP_LONG_TOKENS)
     assert all(0 <= r["tree_size"] <= most and 0 <= r["num_accepted"] <= r["tree_size"] for r in rounds)
     assert result["acceptance_length"] == pytest.approx(sum(len(r["committed"]) for r in rounds) / len(rounds))
 

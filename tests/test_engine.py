@@ -80,9 +80,9 @@ def test_decoding_modules_import_nothing_but_torch_transformers_and_each_other()
     """What `generate` runs can ship as remote code: no assets, CLI, benchmark or demo behind it."""
     graph = import_graph()
     allowed = {"hf_treespark.tree", "hf_treespark.verify", "hf_treespark.engine", "hf_treespark.lookup",
-               "hf_treespark.configuration",
-               "hf_treespark.modeling"}
-    for module in ("hf_treespark.tree", "hf_treespark.verify", "hf_treespark.engine", "hf_treespark.lookup"):
+               "hf_treespark.datastore", "hf_treespark.configuration", "hf_treespark.modeling"}
+    for module in ("hf_treespark.tree", "hf_treespark.verify", "hf_treespark.engine", "hf_treespark.lookup",
+                   "hf_treespark.datastore"):
         assert graph[module] <= allowed, (module, graph[module] - allowed)
 
 
