@@ -84,7 +84,8 @@ def main() -> None:
     x, y = examples(store, heldout, args.positions)
     w = fit(x, y)
     p = 1 / (1 + np.exp(-x @ w))
-    print(f"{len(y)} examples, base rate {y.mean():.3f}; coefficients a, b, c, d = {tuple(round(float(v), 2) for v in w)}")
+    coefficients = tuple(round(float(v), 2) for v in w)
+    print(f"{len(y)} examples, base rate {y.mean():.3f}; coefficients a, b, c, d = {coefficients}")
     for lo in np.arange(0, 1, 0.1):
         sel = (p >= lo) & (p < lo + 0.1)
         if sel.any():

@@ -8,7 +8,6 @@ same positions (the shipped datastore's index, and one built without the trainin
 import time
 from collections import Counter
 
-import numpy as np
 import torch
 
 import hf_treespark
@@ -64,10 +63,12 @@ def measure(refs):
         count += len(anchors)
         ng += ngram_top1(store, ids, anchors)
         ng_ho += ngram_top1(heldout_store, ids, anchors)
-    return [round(100 * float(h) / count, 1) for h in hits], count, round(100 * ng / count, 1), round(100 * ng_ho / count, 1)
+    percent = lambda x: round(100 * float(x) / count, 1)  # noqa: E731
+    return [percent(h) for h in hits], count, percent(ng), percent(ng_ho)
 
 
-for name, refs in (("training (sharegpt_smollm2_regen.jsonl, first %d)" % len(train), train), ("development (held-out 400-431)", dev)):
+for name, refs in ((f"training (sharegpt_smollm2_regen.jsonl, first {len(train)})", train),
+                   ("development (held-out 400-431)", dev)):
     acc, n, ng, ngho = measure(refs)
     print(f"{name}: {n} anchors; drafter teacher-forced top-1 d1..d{D} {acc}; n-gram (shipped store) d1 {ng}%; "
           f"n-gram (store without this file's first part) d1 {ngho}%", flush=True)
