@@ -64,6 +64,7 @@ SHAPE_TOLERANCE = 0.25  # a larger budget may time this much (relative) below a 
 SHAPE_FLOOR_S = 0.0005  # ... or this much (absolute, seconds): tiny models' timings are all overhead
 DRAFT_SPREAD = 4.0  # the drafter's pass may differ this much across budgets (its tree expands deeper)
 BUSY_CORES = 0.3  # other processes' CPU use during a measurement, in cores, beyond which it is not stored
+UNTRUSTED_RETRY_S = 3600  # after an untrusted measurement, later processes use the default this long
 # What a round (drafter pass, tree, verify forward) costs in plain decoding steps, by budget, measured with the
 # shipped drafter on this project's two kinds of 2-core CPU: "auto"'s cost model until this machine's own
 # latency is measured and trusted (`default_round_cost`). float32: AMD EPYC with AVX2 only, `treespark
@@ -360,7 +361,7 @@ def round_latency(target, drafter, policy: TreePolicy, budgets=CANDIDATE_BUDGETS
     key = latency_key(target, drafter, policy, context)
     if not refresh:
         cached = _lookup(path, key, budgets)
-        if cached is not None or not measure or (str(path), key) in _untrusted:
+        if cached is not None or not measure or (str(path), key) in _untrusted or _recently_untrusted(path, key):
             return cached
     if not measure:
         return None
@@ -377,6 +378,8 @@ def round_latency(target, drafter, policy: TreePolicy, budgets=CANDIDATE_BUDGETS
             break
     if problem is not None:
         _untrusted.add((str(path), key))
+        if location_problem is None:  # later processes wait `UNTRUSTED_RETRY_S` before measuring again
+            _store(path, key, {"untrusted": problem, "at": time.time()})
         _warn_once(f"hf_treespark: the round latency measured on this machine is not stored ({problem}). "
                    f"tree_budget='auto' uses its default ({fallback_budget(target, policy, drafter)}) until "
                    "`treespark calibrate --force` measures it on a quiet machine.")
@@ -401,7 +404,7 @@ def _lookup(path: Path, key: str, budgets) -> dict | None:
         if latency_problem(latency, budgets) is None:
             return _parse_entry(latency, budgets)
     entry = _read_cache(path).get(key)
-    if entry is None:
+    if entry is None or (isinstance(entry, dict) and "untrusted" in entry):
         return None
     problem = latency_problem(entry, budgets)
     if problem is not None:
@@ -409,6 +412,20 @@ def _lookup(path: Path, key: str, budgets) -> dict | None:
                    "uses its default until `treespark calibrate --force` measures it again.", about=(path, key))
         return None
     return _parse_entry(entry, budgets)
+
+
+def _recently_untrusted(path: Path, key: str) -> tuple[str, float] | None:
+    """`(why, seconds ago)` when the cache records an untrusted measurement of `key` younger than
+    `UNTRUSTED_RETRY_S` (a machine busy then is likely busy still: measuring again would cost every process
+    the same seconds for nothing), else None."""
+    entry = _read_cache(path).get(key)
+    if not isinstance(entry, dict) or "untrusted" not in entry:
+        return None
+    try:
+        age = time.time() - float(entry.get("at"))
+    except (TypeError, ValueError):
+        return None
+    return (str(entry["untrusted"]), age) if 0 <= age < UNTRUSTED_RETRY_S else None
 
 
 def calibrate_latency(target, drafter, policy: TreePolicy | None = None, refresh: bool = False) -> dict | None:
@@ -425,8 +442,16 @@ def ensure_latency(target, drafter, quiet: bool = False) -> None:
     policy = TreePolicy.from_config(drafter.config)
     if not (policy.auto or policy.lookup) or has_latency(target, drafter, policy):
         return
-    if (str(cache_dir() / LATENCY_FILE), latency_key(target, drafter, policy, 256)) in _untrusted:
+    path, key = cache_dir() / LATENCY_FILE, latency_key(target, drafter, policy, 256)
+    if (str(path), key) in _untrusted:
         return  # measured in this process already, and not trusted: "auto" keeps its default
+    recent = _recently_untrusted(path, key)
+    if recent is not None:
+        if not quiet:
+            print(f"[treespark] this machine's round latency, measured {recent[1] / 60:.0f} min ago, was not trusted "
+                  f"({recent[0]}): tree_budget='auto' uses its default ({fallback_budget(target, policy, drafter)}) "
+                  "for now; `treespark calibrate --force` measures again", file=sys.stderr, flush=True)
+        return
     if not quiet:
         print("[treespark] first use on this machine: measuring what a round costs for each tree budget "
               f"(once; cached in {cache_dir() / LATENCY_FILE})...", file=sys.stderr, flush=True)

@@ -321,9 +321,32 @@ def test_a_measurement_that_fails_its_check_twice_is_not_stored(latency_cache, m
     monkeypatch.setattr(budget, "measure_round_latency", measure)
     with pytest.warns(budget.LatencyCacheWarning, match="not stored.*uses its default"):
         assert budget.calibrate_latency(target, drafter) is None
-    assert len(calls) == 2 and not latency_cache.exists() and not budget.has_latency(target, drafter)
+    assert len(calls) == 2 and not budget.has_latency(target, drafter)
+    (entry,) = json.loads(latency_cache.read_text()).values()
+    assert set(entry) == {"untrusted", "at"}  # no table: a note of the untrusted attempt
     budget.ensure_latency(target, drafter, quiet=True)
     assert len(calls) == 2  # one attempt per process: later calls do not measure again
+
+
+def test_after_an_untrusted_measurement_new_processes_wait_before_measuring_again(latency_cache, monkeypatch,
+                                                                                     capsys):
+    target = make_target("llama")
+    drafter = make_drafter(target, tree_budget="auto", acceptance_profile={"2": 1.5, "4": 1.6})
+    calls = []
+    loads = [1.5, 1.5, 0.0]  # busy twice (not stored), then quiet
+    monkeypatch.setattr(budget, "measure_round_latency",
+                        lambda *a, **k: calls.append(1) or steady_table(a[3], loads.pop(0)))
+    with pytest.warns(budget.LatencyCacheWarning, match="not stored"):
+        budget.ensure_latency(target, drafter, quiet=True)
+    monkeypatch.setattr(budget, "_untrusted", set())  # a new process
+    budget.ensure_latency(target, drafter)
+    assert len(calls) == 2 and "was not trusted" in capsys.readouterr().err  # said, not measured again
+    assert budget.auto_budget(target, drafter, TreePolicy.from_config(drafter.config)) == \
+        budget.fallback_budget(target, TreePolicy.from_config(drafter.config), drafter)
+    later = time.time() + budget.UNTRUSTED_RETRY_S + 1
+    monkeypatch.setattr(budget.time, "time", lambda: later)
+    budget.ensure_latency(target, drafter, quiet=True)  # an hour later: measured again, and trusted this time
+    assert len(calls) == 3 and budget.has_latency(target, drafter)
 
 
 def test_a_measurement_that_passes_on_the_second_try_is_stored(latency_cache, monkeypatch):
@@ -347,7 +370,7 @@ def test_calibration_beside_a_cpu_bound_process_stores_nothing(latency_cache):
     finally:
         busy.kill()
         busy.wait()
-    assert not latency_cache.exists()
+    assert not budget.has_latency(target, drafter)  # no table stored (a note of the attempt at most)
     assert budget.auto_budget(target, drafter, TreePolicy.from_config(drafter.config)) == \
         budget.FALLBACK_BUDGET["cpu"]
 
