@@ -233,6 +233,9 @@ class Datastore:
         save_file({"tokens": tokens, "positions": self.index.positions}, str(tmp),
                   metadata={"format": FORMAT, "version": VERSION, "vocab_size": str(self.vocab_size),
                             "max_match": str(MAX_MATCH)})
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o666 & ~umask)  # as the weights beside it (the writer made it private to its owner)
         tmp.replace(path)
         return path
 
