@@ -6,6 +6,10 @@ colour band and the bonus is bold and underlined, so the length of a band is the
 acceptance length. For any finished round the app draws the drafted tree: every candidate the
 drafter proposed, the `N` packed (verified) ones, and the accepted path.
 
+The speedup is not taken from that live run: the page redraws after every round, and on a small CPU
+machine the browser shares the cores with decoding. It comes from TreeSpark and plain decoding run
+again back to back, same settings, each timed around its `generate` call with nothing streamed.
+
 Everything but `build_app` is plain Python (a streamer, a stopping criterion, HTML and SVG
 strings), so the package imports without gradio. `build_app` imports gradio, the optional
 `demo` extra: `pip install 'hf_treespark[demo]'`.
@@ -208,15 +212,19 @@ class Band:
 
 @dataclass
 class PlainRun:
-    """The plain-decoding comparison.
+    """The plain-decoding comparison: plain decoding (`new_tokens` in `seconds`, `text`) and TreeSpark
+    again (`treespark_tokens` in `treespark_seconds`), same settings, timed alike with nothing streamed.
 
-    check: the greedy equivalence verdict in words, None when sampling or stopped. check_ok: it
-    passed (equal, or in half precision a first divergence at a near-tie). identical: token for token.
+    check: the greedy equivalence verdict (plain against the live run) in words, None when sampling or
+    stopped. check_ok: it passed (equal, or in half precision a first divergence at a near-tie).
+    identical: token for token.
     """
 
     new_tokens: int
     seconds: float
     text: str
+    treespark_tokens: int
+    treespark_seconds: float
     check: str | None = None
     check_ok: bool | None = None
     identical: bool | None = None
@@ -224,11 +232,11 @@ class PlainRun:
 
 @dataclass
 class DemoRun:
-    """One prompt through TreeSpark decoding, streamed round by round, then optionally plain decoding.
+    """One prompt through TreeSpark decoding, streamed round by round, then optionally the speed comparison.
 
     `stream()` yields after every committed round; `bands`, `seconds` and `num_new_tokens` follow
     along. When it returns, `output` holds the `TreeSparkGenerateOutput` (rounds with trees) or
-    `error` a message.
+    `error` a message. `compare_plain()` then fills `plain`.
     """
 
     pair: ModelPair
@@ -300,13 +308,25 @@ class DemoRun:
         for band, record in zip(self.bands[1:], self.output.rounds, strict=False):
             band.bonus = len(record.committed) == record.num_accepted + 1  # False: cut short by EOS/length/stop
 
-    def compare_plain(self) -> None:
-        """Plain decoding with the same settings: its speed, and for greedy the equivalence check."""
+    def _timed_generate(self, **kwargs) -> tuple[torch.Tensor, float]:
+        """`[1, prompt + new]` token ids and the seconds `generate` took, nothing streamed."""
         start = time.perf_counter()
-        sequences = self._generate()
-        seconds = time.perf_counter() - start
+        sequences = self._generate(**kwargs)
+        return sequences, time.perf_counter() - start
+
+    def compare_plain(self) -> None:
+        """The speedup and, for greedy, the equivalence check.
+
+        The live run's time includes the page redrawing after every round, so TreeSpark runs again
+        here, then plain decoding: same settings, back to back, timed the same way. The check
+        compares plain decoding with the live run's output, the answer on the page.
+        """
+        treespark, treespark_seconds = self._timed_generate(assistant_model=self.pair.drafter,
+                                                            **self.settings.tree_kwargs())
+        sequences, seconds = self._timed_generate()
         new = sequences[0, self.prompt_length:].tolist()
-        self.plain = PlainRun(len(new), seconds, self.pair.tokenizer.decode(new, skip_special_tokens=True))
+        self.plain = PlainRun(len(new), seconds, self.pair.tokenizer.decode(new, skip_special_tokens=True),
+                              treespark.shape[1] - self.prompt_length, treespark_seconds)
         if not self.settings.sampling_kwargs()["do_sample"] and not self.stopped:
             report = check_greedy_equivalence(self.pair.target, sequences, self.output.sequences)
             self.plain.check, self.plain.check_ok = str(report), report.ok
@@ -326,10 +346,12 @@ class DemoRun:
         return self.pair.drafter.config.block_size
 
     def tokens_per_second(self) -> float:
-        return self.num_new_tokens / self.seconds if self.seconds > 0 else 0.0
+        return _rate(self.num_new_tokens, self.seconds)
 
     def stats(self) -> dict:
-        """The live figures: rounds, tokens, acceptance length, tokens/s, and the plain comparison."""
+        """The live figures: rounds, tokens, acceptance length, tokens/s (of the live run, the page redrawn
+        each round), and the comparison: `plain.tokens_per_s`, `plain.treespark_tokens_per_s` (the runs
+        without streaming) and their ratio `plain.speedup`."""
         lengths = self.committed_lengths
         records = self.output.rounds if self.output is not None else []
         figures = {
@@ -342,10 +364,12 @@ class DemoRun:
             "seconds": self.seconds,
         }
         if self.plain is not None:
-            plain_rate = self.plain.new_tokens / self.plain.seconds if self.plain.seconds > 0 else 0.0
+            plain_rate = _rate(self.plain.new_tokens, self.plain.seconds)
+            treespark_rate = _rate(self.plain.treespark_tokens, self.plain.treespark_seconds)
             figures["plain"] = {
                 "tokens_per_s": plain_rate,
-                "speedup": figures["tokens_per_s"] / plain_rate if plain_rate > 0 else None,
+                "treespark_tokens_per_s": treespark_rate,
+                "speedup": treespark_rate / plain_rate if plain_rate > 0 else None,
                 "text": self.plain.text,
                 "check": self.plain.check,
                 "check_ok": self.plain.check_ok,
@@ -394,6 +418,10 @@ class DemoRun:
         return {i: token_label(tokenizer, i) for i in ids}
 
 
+def _rate(tokens: int, seconds: float) -> float:
+    return tokens / seconds if seconds > 0 else 0.0
+
+
 # ----- rendering -----------------------------------------------------------------------------------
 def band_colour(round_index: int | None) -> str:
     return PREFILL_COLOUR if round_index is None else BAND_COLOURS[round_index % len(BAND_COLOURS)]
@@ -436,7 +464,7 @@ def render_stats(stats: dict, status: str = "") -> str:
          "tokens per target forward"),
         ("rounds", f"{stats['num_rounds']}", "target forwards after prefill"),
         ("new tokens", f"{stats['new_tokens']}", f"in {stats['seconds']:.1f} s"),
-        ("tokens/s", f"{stats['tokens_per_s']:.1f}", "TreeSpark"),
+        ("tokens/s", f"{stats['tokens_per_s']:.1f}", "TreeSpark, page redrawn each round"),
     ]
     if stats.get("lookup_tokens"):
         tiles.append(("from lookup", f"{stats['lookup_tokens']}", "accepted tokens only a lookup branch drafted"))
@@ -446,7 +474,8 @@ def render_stats(stats: dict, status: str = "") -> str:
     plain = stats.get("plain")
     if plain is not None:
         speedup = "–" if plain["speedup"] is None else f"{plain['speedup']:.2f}×"
-        tiles.append(("speedup", speedup, f"plain decoding: {plain['tokens_per_s']:.1f} tokens/s"))
+        tiles.append(("speedup", speedup, f"TreeSpark {plain['treespark_tokens_per_s']:.1f} vs plain "
+                                          f"{plain['tokens_per_s']:.1f} tokens/s, rerun back to back, no page updates"))
     cells = "".join(
         f'<div class="ts-stat" style="border:1px solid #ddd;border-radius:6px;padding:6px 10px;min-width:88px">'
         f'<div style="font-size:12px;color:#666">{html.escape(name)}</div>'
@@ -719,7 +748,7 @@ def build_app(target=None, tokenizer=None, drafter=None, *, target_name: str | N
             yield outputs_for(run, run.error, final=True)
             return
         if settings.compare and not run.stopped:
-            yield outputs_for(run, status="running plain decoding for comparison…")
+            yield outputs_for(run, status="measuring speed: TreeSpark and plain decoding, no page updates…")
             try:
                 run.compare_plain()
             except Exception as err:
@@ -802,8 +831,11 @@ def build_app(target=None, tokenizer=None, drafter=None, *, target_name: str | N
         outputs = [answer, stats, histogram, round_slider, tree, result, message, records]
         controls = [prompt, max_new_tokens, tree_budget, tree_topk, chain, temperature, compare, tree_lookup]
         # preprocess=False: `generate` gets the raw values and `check_request` answers bad ones readably.
-        generate_btn.click(generate, controls, outputs, api_name="generate", concurrency_limit=1, preprocess=False)
-        prompt.submit(generate, controls, outputs, api_name=False, concurrency_limit=1, preprocess=False)
+        # show_progress="hidden": the status line says what runs; gradio's animated progress overlay kept the
+        # browser busy (most of a core on a 2-core CPU), slowing the decoding it was showing.
+        run_options = {"concurrency_limit": 1, "preprocess": False, "show_progress": "hidden"}
+        generate_btn.click(generate, controls, outputs, api_name="generate", **run_options)
+        prompt.submit(generate, controls, outputs, api_name=False, **run_options)
         stop_btn.click(stop, None, None, api_name="stop", queue=False)
         clear_btn.click(clear, None, [prompt, *outputs], api_name=False, queue=False)
         round_slider.change(show_round, [round_slider, records], tree, api_name="show_round")

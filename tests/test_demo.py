@@ -14,10 +14,12 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from hf_treespark import demo
 from hf_treespark.cli import main as treespark_main
 from hf_treespark.datastore import MAX_NODES
 from hf_treespark.demo import (
@@ -28,6 +30,7 @@ from hf_treespark.demo import (
     acceptance_histogram,
     check_request,
     render_answer,
+    render_stats,
     render_tree,
 )
 from hf_treespark.generation import RoundRecord
@@ -150,6 +153,62 @@ def test_histogram_counts_rounds_per_committed_length():
     assert len(longer) == 17 and list(longer["rounds"])[16] == 1 and sum(longer["rounds"]) == 2
 
 
+class _FakeClock:
+    def __init__(self):
+        self.seconds = 0.0
+
+    def __call__(self) -> float:
+        return self.seconds
+
+
+class _FakeTarget:
+    """`generate` commits 8 tokens (the prefill's, then rounds of 3 and 4) and advances the clock: the streamed
+    TreeSpark run 10 s (the page redrawing), the TreeSpark run without a streamer 1 s, plain decoding 2 s."""
+
+    def __init__(self, clock: _FakeClock):
+        self.clock, self.calls = clock, []
+
+    def generate(self, input_ids, attention_mask=None, assistant_model=None, streamer=None,
+                 return_dict_in_generate=False, **kwargs):
+        self.calls.append({"assistant": assistant_model is not None, "streamer": streamer is not None})
+        new = torch.arange(100, 108).reshape(1, -1)
+        if streamer is not None:
+            streamer.put(input_ids)
+            for piece in (new[:, :1], new[:, 1:4], new[:, 4:]):
+                streamer.put(piece)
+            streamer.end()
+        self.clock.seconds += 10.0 if streamer is not None else 1.0 if assistant_model is not None else 2.0
+        sequences = torch.cat([input_ids, new], dim=1)
+        return SimpleNamespace(sequences=sequences, rounds=[]) if return_dict_in_generate else sequences
+
+
+class _FakeTokenizer:
+    def apply_chat_template(self, messages, **kwargs):
+        return {"input_ids": torch.tensor([[1, 2, 3]]), "attention_mask": torch.ones(1, 3, dtype=torch.long)}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f"<{i}>" for i in ids)
+
+
+def test_speedup_comes_from_the_unstreamed_runs_not_the_live_one(monkeypatch):
+    clock = _FakeClock()
+    monkeypatch.setattr(demo.time, "perf_counter", clock)
+    target = _FakeTarget(clock)
+    pair = demo.ModelPair(target, _FakeTokenizer(), drafter=object(), description="fake")
+    run = demo.DemoRun(pair, PROMPT, DemoSettings(max_new_tokens=8, compare=True))
+    assert sum(1 for _ in run.stream()) == 3  # the prefill token, then two rounds
+    run.compare_plain()
+    stats = run.stats()
+    assert stats["tokens_per_s"] == pytest.approx(0.8)  # live: 8 tokens in 10 s
+    assert stats["plain"]["treespark_tokens_per_s"] == pytest.approx(8.0)  # 8 tokens in 1 s
+    assert stats["plain"]["tokens_per_s"] == pytest.approx(4.0)  # 8 tokens in 2 s
+    assert stats["plain"]["speedup"] == pytest.approx(2.0)
+    assert target.calls == [{"assistant": True, "streamer": True}, {"assistant": True, "streamer": False},
+                            {"assistant": False, "streamer": False}]
+    assert stats["plain"]["identical"] is True  # plain decoding against the live run's answer
+    assert "TreeSpark 8.0 vs plain 4.0 tokens/s" in render_stats(stats)
+
+
 def test_package_imports_without_gradio():
     code = ("import sys, hf_treespark, hf_treespark.demo, hf_treespark.cli; "
             "assert 'gradio' not in sys.modules, 'gradio imported eagerly'")
@@ -165,10 +224,10 @@ def test_cli_demo_without_gradio_says_how_to_install(monkeypatch, capsys):
 # ----- the running app ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def models():
-    from hf_treespark import assets
+    """The default pair as `treespark demo` loads it (on a CPU: packed linear layers), in float32."""
+    from hf_treespark.loading import load_pair
 
-    target, tokenizer = assets.load_default_target(dtype=torch.float32)
-    return target, tokenizer, assets.load_default_drafter(dtype=torch.float32)
+    return load_pair(dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
