@@ -523,6 +523,99 @@ def save_report(report: dict, out_dir: str | Path) -> list[Path]:
         return write_report(report, fallback)
 
 
+def batch_inputs(tokenizer, prompts: list[str]) -> dict:
+    """A left-padded batch of chat-formatted prompts (`input_ids`, `attention_mask`), as a batched pipeline makes."""
+    from . import assets
+
+    rows = [assets.chat_inputs(tokenizer, p)["input_ids"][0] for p in prompts]
+    width = max(row.shape[0] for row in rows)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, width - row.shape[0]:], mask[i, width - row.shape[0]:] = row, 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def run_batch_benchmark(target, tokenizer, drafter, suites=("mtbench", "humaneval"), batch_sizes=(1, 2, 4, 8, 16),
+                        num_prompts: int = 16, max_new_tokens: int = 128, budget: int | str = "auto",
+                        max_prompt_tokens: int = 512, progress: bool = True) -> dict:
+    """Tokens per second of all rows, TreeSpark (the drafter's defaults) against plain batched `generate`, greedy,
+    for each suite and batch size `B`: the suite's first `B x (num_prompts // B)` prompts (at least one batch) in
+    left-padded batches of `B`, the two methods interleaved batch by batch; every TreeSpark batch is checked
+    against plain (strict in float32, the near-tie rule in half precision). Raises `BenchmarkError` (with the
+    report) after an inexact batch."""
+    from tqdm.auto import tqdm
+
+    from . import assets
+    from .exactness import check_greedy_equivalence
+    from .precision import dtype_name
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    rows, failures = [], []
+    for suite in suites:
+        candidates = [p for p in select_prompts(suite, 4 * num_prompts)
+                      if assets.chat_inputs(tokenizer, p)["input_ids"].shape[1] <= max_prompt_tokens][:num_prompts]
+        for size in batch_sizes:
+            count = max(1, len(candidates) // size) * size
+            prompts = [candidates[i % len(candidates)] for i in range(count)]
+            batches = [batch_inputs(tokenizer, prompts[i:i + size]) for i in range(0, count, size)]
+            kwargs = {"do_sample": False, "max_new_tokens": max_new_tokens, "pad_token_id": pad}
+            target.generate(**batches[0], **{**kwargs, "max_new_tokens": 2})  # warm-up of this shape
+            target.generate(**batches[0], **{**kwargs, "max_new_tokens": 2}, assistant_model=drafter)
+            seconds = {"plain": 0.0, "treespark": 0.0}
+            tokens, committed, rounds, budgets = 0, 0, 0, []
+            for inputs in tqdm(batches, desc=f"{suite} B={size}", disable=not progress):
+                start = time.perf_counter()
+                plain = target.generate(**inputs, **kwargs)
+                seconds["plain"] += time.perf_counter() - start
+                start = time.perf_counter()
+                out = target.generate(**inputs, **kwargs, assistant_model=drafter, tree_budget=budget,
+                                      return_dict_in_generate=True)
+                seconds["treespark"] += time.perf_counter() - start
+                width = inputs["input_ids"].shape[1]
+                tokens += int((plain[:, width:] != pad).sum()) if pad is not None else plain[:, width:].numel()
+                per_row = out.rounds if size > 1 else [out.rounds]
+                committed += sum(r.acceptance_length for row in per_row for r in row)
+                rounds += sum(len(row) for row in per_row)
+                budgets.append(out.tree_budget)
+                for i in range(size):
+                    start = int((inputs["attention_mask"][i] == 0).sum())  # the row without its left padding
+                    report = check_greedy_equivalence(target, plain[i:i + 1, start:], out.sequences[i:i + 1, start:])
+                    if not report.ok:
+                        failures.append(f"{suite} B={size} row {i}: {report}")
+            rows.append({"suite": suite, "batch_size": size, "prompts": count, "new_tokens": tokens,
+                         "plain_tps": tokens / seconds["plain"], "treespark_tps": tokens / seconds["treespark"],
+                         "speedup": seconds["plain"] / seconds["treespark"],
+                         "acceptance_length": committed / max(1, rounds),
+                         "budgets": sorted(set(budgets))})
+    report = {"rows": rows, "config": {"dtype": dtype_name(target.dtype), "max_new_tokens": max_new_tokens,
+                                       "num_prompts": num_prompts, "budget": budget,
+                                       "cpu_pack": model_is_packed(target),
+                                       "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
+                                       "torch": torch.__version__,
+                                       "transformers": __import__("transformers").__version__}}
+    if failures:
+        err = BenchmarkError("outputs differ from plain batched greedy decoding: " + "; ".join(failures[:3]))
+        err.report = report
+        raise err
+    return report
+
+
+def batch_table(report: dict) -> str:
+    """The batch benchmark as a markdown table."""
+    cfg = report["config"]
+    lines = [f"Greedy, {cfg['max_new_tokens']} new tokens, {cfg['dtype']}, {cfg['machine']}; tokens per second of all "
+             "rows, TreeSpark (defaults) against plain batched `generate`, one run:", "",
+             "| suite | B | prompts | plain tok/s | TreeSpark tok/s | speedup | tokens per round (per row) | budget |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in report["rows"]:
+        lines.append(f"| {SUITE_LABELS.get(row['suite'], row['suite'])} | {row['batch_size']} | {row['prompts']} | "
+                     f"{row['plain_tps']:.1f} | {row['treespark_tps']:.1f} | {row['speedup']:.2f}x | "
+                     f"{row['acceptance_length']:.2f} | {', '.join(str(b) for b in row['budgets'])} |")
+    return "\n".join(lines)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--suites", default=",".join(SUITES), help=f"comma-separated, from {', '.join(SUITES)}")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {', '.join(METHODS)}")
@@ -540,6 +633,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", action="store_true",
                         help="instead of the comparison: what each phase of a TreeSpark round costs, in ms and in "
                              "plain decoding steps, for the chosen auto budget and N = 4, 8, 16 (profile.md/json)")
+    parser.add_argument("--batch-size", metavar="B[,B...]",
+                        help="instead of the comparison: tokens/s of all rows, TreeSpark against plain batched "
+                             "generate, for these batch sizes (e.g. 1,2,4,8,16; batch.md/json); suites as --suites")
     parser.add_argument("--smoke", action="store_true",
                         help="a quick check: 1 prompt per suite, 8 new tokens, budget 8 unless given")
 
@@ -588,6 +684,9 @@ def run_from_args(args: argparse.Namespace) -> int:
         return _run_profile(args, target, tokenizer, drafters, suites)
     from .budget import ensure_latency
 
+    if args.batch_size:
+        return _run_batches(args, target, tokenizer, drafters, suites, budget)
+
     for drafter in loaded.values():  # first use on this machine: "auto" budget and gate from its numbers
         ensure_latency(target, drafter)
     try:
@@ -601,6 +700,40 @@ def run_from_args(args: argparse.Namespace) -> int:
     written = save_report(report, args.output_dir)
     print(markdown_table(report))
     print("wrote " + ", ".join(str(p) for p in written))
+    if failed is not None:
+        print(f"treespark bench: FAILED: {failed}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def batch_sizes_option(text: str, option: str = "--batch-size") -> list[int]:
+    """`--batch-size 1,2,4`: positive integers. Raises `ValueError` naming the option."""
+    sizes = [part.strip() for part in str(text).split(",") if part.strip()]
+    if not sizes or not all(part.isdigit() and int(part) > 0 for part in sizes):
+        raise ValueError(f"{option} {text!r}: expected positive integers separated by commas, e.g. 1,2,4,8,16")
+    return [int(part) for part in sizes]
+
+
+def _run_batches(args, target, tokenizer, drafters: dict, suites: list[str], budget) -> int:
+    from .budget import ensure_latency
+
+    sizes = batch_sizes_option(args.batch_size)
+    if "treespark" not in drafters:
+        raise ValueError("--batch-size needs the TreeSpark drafter (--drafter treespark=PATH with --target)")
+    drafter = drafters["treespark"]
+    ensure_latency(target, drafter)
+    try:
+        report, failed = run_batch_benchmark(target, tokenizer, drafter, suites, sizes, args.num_prompts,
+                                             args.max_new_tokens, budget), None
+    except BenchmarkError as err:
+        report, failed = err.report, err
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "batch.json").write_text(json.dumps(report, indent=1))
+    table = batch_table(report)
+    (out / "batch.md").write_text(table + "\n")
+    print(table)
+    print(f"wrote {out / 'batch.json'}, {out / 'batch.md'}")
     if failed is not None:
         print(f"treespark bench: FAILED: {failed}", file=sys.stderr)
         return 1

@@ -53,7 +53,7 @@ from .cpu_gemm import model_is_packed
 from .engine import draft_pool, feature_indices
 from .storage import cache_dir, unwritable_reason
 from .tree import TreePolicy, pack_tree
-from .verify import cache_kwarg
+from .verify import cache_kwarg, grouped_attention
 
 CANDIDATE_BUDGETS = (2, 4, 8, 16, 32, 64)
 LATENCY_FILE = "round_latency.json"
@@ -65,6 +65,8 @@ SHAPE_FLOOR_S = 0.0005  # ... or this much (absolute, seconds): tiny models' tim
 DRAFT_SPREAD = 4.0  # the drafter's pass may differ this much across budgets (its tree expands deeper)
 BUSY_CORES = 0.3  # other processes' CPU use during a measurement, in cores, beyond which it is not stored
 UNTRUSTED_RETRY_S = 3600  # after an untrusted measurement, later processes use the default this long
+BATCH_SIZES = (2, 4, 8, 16)  # the batch sizes calibration measures (`BatchBudget`)
+BATCH_VERIFY_TOKENS = 320  # a batch's candidate budgets keep its verify forward at most this many tokens
 # What a round (drafter pass, tree, verify forward) costs in plain decoding steps, by budget, measured with the
 # shipped drafter on this project's two kinds of 2-core CPU: "auto"'s cost model until this machine's own
 # latency is measured and trusted (`default_round_cost`). float32: AMD EPYC with AVX2 only, `treespark
@@ -73,6 +75,11 @@ UNTRUSTED_RETRY_S = 3600  # after an untrusted measurement, later processes use 
 DEFAULT_CPU_ROUND_COST = {
     "float32": {2: 1.34, 4: 1.59, 8: 1.76, 16: 2.04, 32: 2.54, 64: 3.68},
     "bfloat16": {4: 1.25, 8: 1.36, 16: 1.58},
+}
+
+# The same, for a batch of `B` rows against a plain step of `B` rows (`BatchBudget`); measured as above (session 14).
+DEFAULT_CPU_BATCH_ROUND_COST = {
+    "float32": {},
 }
 
 
@@ -99,7 +106,7 @@ def _shape_signature(config, fields: tuple[str, ...]) -> str:
     return ",".join(f"{name}={getattr(config, name, None)}" for name in fields)
 
 
-def latency_key(target, drafter, policy: TreePolicy, context: int) -> str:
+def latency_key(target, drafter, policy: TreePolicy, context: int, batch: int = 1) -> str:
     tcfg = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
     device = next(target.parameters()).device
     return "|".join([
@@ -115,7 +122,7 @@ def latency_key(target, drafter, policy: TreePolicy, context: int) -> str:
                                                        "draft_vocab_size")),
         f"policy:k={policy.topk},F={policy.frontier},D={policy.depth}",
         f"context={context}",
-    ])
+    ] + ([f"batch={batch}"] if batch > 1 else []))
 
 
 class LatencyCacheWarning(UserWarning):
@@ -169,12 +176,13 @@ def _busy_cpu_seconds() -> float | None:
 
 @torch.no_grad()
 def measure_round_latency(target, drafter, policy: TreePolicy, budgets=CANDIDATE_BUDGETS, context: int = 256,
-                          repeats: int = LATENCY_REPEATS) -> dict:
+                          repeats: int = LATENCY_REPEATS, batch: int = 1) -> dict:
     """Seconds per round part for each budget: `{"verify": {N: s}, "draft": {N: s}, "others_load": cores}`;
     `verify[0]` is a plain step (one token).
 
     Verify: one target forward of `N + 1` tokens with a 4D float mask over a `context`-token
-    cache (the mask's content does not change the cost, so a causal one is used). Draft: one
+    cache (the mask's content does not change the cost, so a causal one is used); for `batch` rows at once
+    (`[batch, N + 1]`, the drafter's pass likewise) when `batch > 1`. Draft: one
     drafter pass over a few new context features plus `build_tree` at budget `N`, every depth
     expanded (no early stop: an upper bound of the tree's cost).
     Robust to bursts of load: after one warm-up pass, `repeats` passes each time every forward once, the
@@ -185,7 +193,7 @@ def measure_round_latency(target, drafter, policy: TreePolicy, budgets=CANDIDATE
     dtype = next(target.parameters()).dtype
     vocab = drafter.config.target_vocab_size
     generator = torch.Generator().manual_seed(0)
-    prefix = torch.randint(0, vocab, (1, context), generator=generator).to(device)
+    prefix = torch.randint(0, vocab, (batch, context), generator=generator).to(device)
     cache = DynamicCache(config=target.config)
     cache_kw = cache_kwarg(target)
     target(input_ids=prefix, use_cache=True, **{cache_kw: cache})
@@ -196,20 +204,22 @@ def measure_round_latency(target, drafter, policy: TreePolicy, budgets=CANDIDATE
     for n in (0, *budgets):
         allowed = torch.ones(n + 1, context + n + 1, dtype=torch.bool, device=device).tril(context)
         mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
-        verify_inputs[n] = {"input_ids": torch.randint(0, vocab, (1, n + 1), generator=generator).to(device),
-                            "position_ids": torch.arange(context, context + n + 1, device=device)[None],
-                            "attention_mask": mask[None, None]}
+        positions = torch.arange(context, context + n + 1, device=device)[None].expand(batch, -1)
+        verify_inputs[n] = {"input_ids": torch.randint(0, vocab, (batch, n + 1), generator=generator).to(device),
+                            "position_ids": positions,
+                            "attention_mask": mask[None, None].expand(batch, -1, -1, -1)}
 
     def verify_once(n: int) -> None:
-        target(**verify_inputs[n], use_cache=True, output_hidden_states=hidden_ids, **{cache_kw: cache})
+        with grouped_attention(target):
+            target(**verify_inputs[n], use_cache=True, output_hidden_states=hidden_ids, **{cache_kw: cache})
         cache.crop(-(n + 1))
 
     drafter.bind_target(target)
     drafter_cache = drafter.new_context_cache()
-    features = torch.randn(1, context, width, generator=generator).to(device=device, dtype=dtype)
+    features = torch.randn(batch, context, width, generator=generator).to(device=device, dtype=dtype)
     anchor = prefix[:, -1]
     draft_pool(drafter, policy.with_budget(1), anchor, context, features, drafter_cache)
-    step = torch.randn(1, 2, width, generator=generator).to(device=device, dtype=dtype)
+    step = torch.randn(batch, 2, width, generator=generator).to(device=device, dtype=dtype)
 
     def draft_once(n: int) -> None:
         pool_policy = policy.with_budget(n)
@@ -346,7 +356,7 @@ _untrusted: set[tuple[str, str]] = set()  # measured in this process twice, and 
 
 
 def round_latency(target, drafter, policy: TreePolicy, budgets=CANDIDATE_BUDGETS, context: int = 256,
-                  refresh: bool = False, measure: bool = True) -> dict | None:
+                  refresh: bool = False, measure: bool = True, batch: int = 1) -> dict | None:
     """`measure_round_latency`, read from / written to the on-disk cache (`{"verify": .., "draft": ..}`).
 
     `measure=False` only reads: None when this device, dtype and model shape were never measured, or when the
@@ -358,7 +368,7 @@ def round_latency(target, drafter, policy: TreePolicy, budgets=CANDIDATE_BUDGETS
     table is then kept for this process only, with one warning naming `HF_TREESPARK_CACHE`.
     """
     path = cache_dir() / LATENCY_FILE  # beside the converted default target
-    key = latency_key(target, drafter, policy, context)
+    key = latency_key(target, drafter, policy, context, batch)
     if not refresh:
         cached = _lookup(path, key, budgets)
         if cached is not None or not measure or (str(path), key) in _untrusted or _recently_untrusted(path, key):
@@ -370,7 +380,7 @@ def round_latency(target, drafter, policy: TreePolicy, budgets=CANDIDATE_BUDGETS
         _warn_once(_unkept(location_problem), about=("location", str(path)))
     problem = None
     for _ in range(2):
-        measured = measure_round_latency(target, drafter, policy, budgets, context)
+        measured = measure_round_latency(target, drafter, policy, budgets, context, batch=batch)
         load = measured.get("others_load")
         problem = (f"other processes kept {load:.1f} CPU cores busy while it was measured"
                    if load is not None and load > BUSY_CORES else latency_problem(measured, budgets))
@@ -428,11 +438,12 @@ def _recently_untrusted(path: Path, key: str) -> tuple[str, float] | None:
     return (str(entry["untrusted"]), age) if 0 <= age < UNTRUSTED_RETRY_S else None
 
 
-def calibrate_latency(target, drafter, policy: TreePolicy | None = None, refresh: bool = False) -> dict | None:
-    """Measure (once; cached) what a round costs on this device for every candidate budget; None when the
-    measurement could not be trusted (see `round_latency`)."""
+def calibrate_latency(target, drafter, policy: TreePolicy | None = None, refresh: bool = False,
+                      batch: int = 1) -> dict | None:
+    """Measure (once; cached) what a round costs on this device for every candidate budget, for `batch` rows at
+    once; None when the measurement could not be trusted (see `round_latency`)."""
     policy = policy or TreePolicy.from_config(drafter.config)
-    return round_latency(target, drafter, policy, _budgets_for(policy), refresh=refresh)
+    return round_latency(target, drafter, policy, batch_budgets(policy, batch), refresh=refresh, batch=batch)
 
 
 def ensure_latency(target, drafter, quiet: bool = False) -> None:
@@ -490,14 +501,84 @@ def _budgets_for(policy: TreePolicy, budgets=CANDIDATE_BUDGETS) -> tuple[int, ..
     return tuple(n for n in budgets if n <= pool) or (pool,)
 
 
-def default_round_cost(target, budgets) -> dict[int, float] | None:
-    """What a round costs in plain steps, by budget, on this kind of device before (or without) a trusted
-    measurement of this machine: `DEFAULT_CPU_ROUND_COST` for a CPU in its dtype, for the budgets it has a
-    figure for; None elsewhere."""
+def batch_budgets(policy: TreePolicy, batch: int) -> tuple[int, ...]:
+    """The candidate budgets for `batch` rows: those whose verify forward holds at most `BATCH_VERIFY_TOKENS`
+    tokens (`batch x (N + 1)`), and the smallest always."""
+    budgets = _budgets_for(policy)
+    return tuple(n for n in budgets if batch * (n + 1) <= BATCH_VERIFY_TOKENS) or budgets[:1]
+
+
+def measured_batch(batch: int) -> int:
+    """The batch size whose latency prices `batch` rows: the next measured size up (`BATCH_SIZES`), at most the
+    largest."""
+    return 1 if batch <= 1 else min((b for b in BATCH_SIZES if b >= batch), default=BATCH_SIZES[-1])
+
+
+def default_round_cost(target, budgets, batch: int = 1) -> dict[int, float] | None:
+    """What a round costs in plain steps (of the same batch), by budget, on this kind of device before (or without)
+    a trusted measurement of this machine: `DEFAULT_CPU_ROUND_COST` (`DEFAULT_CPU_BATCH_ROUND_COST` for a batch)
+    for a CPU in its dtype (a batch in another dtype: float32's), for the budgets it has a figure for; None
+    elsewhere."""
     param = next(target.parameters())
-    table = DEFAULT_CPU_ROUND_COST.get(str(param.dtype).removeprefix("torch.")) if param.device.type == "cpu" else None
+    if param.device.type != "cpu":
+        return None
+    dtype = str(param.dtype).removeprefix("torch.")
+    if batch > 1:
+        table = DEFAULT_CPU_BATCH_ROUND_COST.get(dtype, DEFAULT_CPU_BATCH_ROUND_COST["float32"]).get(batch)
+    else:
+        table = DEFAULT_CPU_ROUND_COST.get(dtype)
     costs = {n: table[n] for n in budgets if n in table} if table else {}
     return costs or None
+
+
+class BatchBudget:
+    """`tree_budget="auto"` for a batch (`batch.py`): for the number of unfinished rows `B`, the budget with the most
+    committed tokens per second, `tau(N) / cost_B(N)` (`cost_B(N)`: a round of `B` rows at budget `N`, in plain
+    steps of `B` rows), or 0 (plain steps) when no budget beats a plain step. A verify forward of `B x (N + 1)`
+    tokens costs more the larger `B` (on a CPU a plain step of 16 rows is already compute-bound), so the budget
+    shrinks as the batch grows and grows again as rows finish.
+
+    `cost_B`: this device's latency measured for `B` rows (`calibrate_latency(batch=B)`, `treespark calibrate
+    --batch-sizes`), rounded up to a measured size (`measured_batch`), else `default_round_cost`. `tau(N)`: the
+    drafter's `acceptance_profile`, else (`needs_scores`) the first drafter pool's scores, averaged over rows.
+    """
+
+    def __init__(self, target, drafter, policy: TreePolicy):
+        self.target, self.drafter, self.policy = target, drafter, policy
+        profile = getattr(drafter.config, "acceptance_profile", None)
+        self.acceptance = profile_acceptance(profile, _budgets_for(policy)) if profile else None
+        self.chosen: dict[int, int] = {}  # by batch size
+
+    @property
+    def needs_scores(self) -> bool:
+        return self.acceptance is None
+
+    def from_scores(self, scores: torch.Tensor) -> None:
+        """`tau(N)` from a drafter pool's scores (`[b, C]`), averaged over its rows (`score_acceptance`)."""
+        rows = [score_acceptance(row, _budgets_for(self.policy)) for row in scores]
+        self.acceptance = {n: sum(r[n] for r in rows) / len(rows) for n in rows[0]}
+        self.chosen.clear()
+
+    def round_cost(self, batch: int) -> dict[int, float] | None:
+        """`{N: cost}` of a round of `batch` rows in plain steps: measured, else the default; None without either."""
+        size = measured_batch(batch)
+        budgets = batch_budgets(self.policy, size)
+        latency = round_latency(self.target, self.drafter, self.policy, budgets, measure=False, batch=size)
+        if latency is not None:
+            return {n: (latency["verify"][n] + latency["draft"][n]) / latency["verify"][0] for n in budgets}
+        return default_round_cost(self.target, budgets, size)
+
+    def __call__(self, batch: int) -> int:
+        if batch not in self.chosen:
+            self.chosen[batch] = self._choose(batch)
+        return self.chosen[batch]
+
+    def _choose(self, batch: int) -> int:
+        costs = self.round_cost(batch)
+        if not costs or self.acceptance is None:  # an accelerator without a measurement: the batch-1 default
+            return fallback_budget(self.target, self.policy, self.drafter)
+        rate = {0: 1.0} | {n: self.acceptance[n] / cost for n, cost in costs.items() if n in self.acceptance}
+        return max(rate, key=lambda n: (rate[n], -n))
 
 
 def fallback_budget(target, policy: TreePolicy, drafter=None) -> int:

@@ -192,7 +192,7 @@ def _draft_vocabulary(cfg: TreeSparkConfig) -> str:
 CUSTOM_GENERATE_DIR = "custom_generate"
 # The package modules that `hub_generate.py` needs (it and they import only torch, transformers, numpy and
 # each other). Adjust when the decoding loop's modules change; a test checks the set is closed under imports.
-CUSTOM_GENERATE_MODULES = ("budget.py", "configuration.py", "datastore.py", "engine.py", "generation.py",
+CUSTOM_GENERATE_MODULES = ("batch.py", "budget.py", "configuration.py", "datastore.py", "engine.py", "generation.py",
                            "integration.py", "lookup.py", "modeling.py", "storage.py", "tree.py", "verify.py",
                            "cpu_gemm.py")
 

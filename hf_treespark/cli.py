@@ -92,6 +92,11 @@ def cmd_calibrate(args) -> int:
         raise ValueError(f"--budgets {args.budgets!r}: expected comma-separated integers, e.g. 2,4,8") from None
     if not budgets or min(budgets) < 1:
         raise ValueError(f"--budgets {args.budgets!r}: budgets must be positive integers")
+    batch_sizes = []
+    if args.batch_sizes:
+        from .bench import batch_sizes_option
+
+        batch_sizes = [b for b in batch_sizes_option(args.batch_sizes, "--batch-sizes") if b > 1]
     config_path = Path(args.drafter) / "config.json" if args.drafter else None
     if config_path is not None:
         if not config_path.is_file():
@@ -113,6 +118,9 @@ def cmd_calibrate(args) -> int:
     target, tokenizer, drafter = _load_pair(args)
     policy = TreePolicy.from_config(drafter.config)
     _print_latency(budget.calibrate_latency(target, drafter, policy, refresh=args.force), target, drafter, policy)
+    for size in batch_sizes:
+        latency = budget.calibrate_latency(target, drafter, policy, refresh=args.force, batch=size)
+        _print_batch_latency(size, latency, target, drafter, policy)
     if config_path is None or args.latency_only:
         return 0
     prompts = _calibration_prompts(args, tokenizer)
@@ -164,6 +172,23 @@ def _print_latency(latency, target, drafter, policy) -> None:
     if acceptance is None:
         print("[calibrate] the drafter has no acceptance_profile yet: 'auto' will price budgets from its first "
               "round's tree scores")
+
+
+def _print_batch_latency(size: int, latency, target, drafter, policy) -> None:
+    """One line per measured batch size: a round's cost in plain steps of that batch, and the budget "auto" takes."""
+    from .budget import BatchBudget
+
+    if latency is None:
+        print(f"[calibrate] batch {size}: no trusted round latency (see the warning above): 'auto' uses the default "
+              "costs for batches")
+        return
+    step = latency["verify"][0]
+    costs = ", ".join(f"N={n} {(latency['verify'][n] + latency['draft'][n]) / step:.2f}"
+                      for n in sorted(latency["draft"]))
+    chooser = BatchBudget(target, drafter, policy)
+    choice = "from the first round's scores" if chooser.needs_scores else str(chooser(size) or "0 (plain steps)")
+    print(f"[calibrate] batch {size}: plain step {step * 1e3:.1f} ms; a round costs {costs} plain steps; "
+          f"auto budget {choice}")
 
 
 def cmd_draft_vocab(args) -> int:
@@ -445,6 +470,8 @@ def main(argv: list[str] | None = None, before_command: Callable[[], object] | N
     cal.add_argument("--budgets", default="2,4,8,16,32,64")
     cal.add_argument("--force", action="store_true",
                      help="measure this machine's round latency again (on a quiet machine), replacing the cached one")
+    cal.add_argument("--batch-sizes", metavar="B[,B...]",
+                     help="also measure rounds of these batch sizes, for 'auto' in batched generate (e.g. 2,4,8,16)")
     cal.add_argument("--latency-only", action="store_true",
                      help="only the round latency; leave the drafter's acceptance_profile as it is")
     cal.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",

@@ -52,6 +52,7 @@ from .verify import (
     cache_kwarg,
     commit_cache,
     greedy_accept,
+    grouped_attention,
     processed_accept,
     tree_attention_mask,
     tree_position_ids,
@@ -163,6 +164,100 @@ class Round:
         return int(flags[0, path].sum())
 
 
+@dataclass
+class RoundPlan:
+    """What a round verifies, before the drafter pass: the text's lookup branches and datastore branches, and
+    either the packed tree already (a lookup-only or gated round: `tree`; no drafter pass) or None (the
+    drafter's pool is still to come: `RowPlanner.pack`)."""
+
+    x0: torch.Tensor  # [1]
+    branches: list
+    retrieved: list
+    tree: DraftTree | None = None
+
+
+class RowPlanner:
+    """The per-sequence part of a round's tree: lookup branches, lookup-only rounds, the drafter gate, datastore
+    branches, and packing the drafter's pool with them (`TreeSparkSession.draft` for one sequence; the batched
+    session keeps one per row, `batch.py`).
+
+    `max_nodes`: at most this many nodes per tree, lookup and datastore nodes included (None: the budget plus
+    their allowance, as at batch size 1; 0: the root alone, a plain step).
+    """
+
+    def __init__(self, policy: TreePolicy, gate: float = 0.0, datastore=None, timer: PhaseTimer | None = None,
+                 max_nodes: int | None = None):
+        self.policy = policy
+        self.gate = DrafterGate(gate) if policy.lookup else None
+        self.datastore = datastore
+        self.timer = timer
+        self.max_nodes = max_nodes
+        self.ran_drafter = False  # whether the current round ran the drafter
+        self.lookup_only = False  # whether the current round is lookup-only
+        self.long_lookup = False  # the last lookup-only round accepted its whole branch
+
+    def _phase(self, name: str):
+        return self.timer(name) if self.timer is not None else nullcontext()
+
+    def _pack(self, pool: Candidates, x0: torch.Tensor, budget: int) -> DraftTree:
+        if self.max_nodes is not None:
+            budget = min(budget, self.max_nodes)
+        return pack_tree(pool, x0, budget, _max_depth(pool, self.policy.depth))
+
+    def plan(self, history: torch.Tensor) -> RoundPlan:
+        """This round's plan for the unpadded text `history` (1-D, its last token the anchor `x0`).
+
+        With `policy.lookup`, continuations of the text's suffix found earlier in it are grafted into the
+        candidate pool before packing (`lookup.py`). A round whose suffix matches strongly
+        (`lookup.is_lookup_round`) verifies only its lookup branches and skips the drafter pass. So does a round
+        the drafter gate closes (`lookup.DrafterGate`): it verifies a short branch of its best match, if any.
+        With a datastore, every other round also grafts the continuations of the text's suffix in the target's
+        earlier outputs (`datastore.py`); each retrieved node adds one to the round's budget.
+        """
+        x0 = history[-1:]
+        self.ran_drafter = False
+        if self.max_nodes == 0:
+            self.lookup_only = False
+            return RoundPlan(x0, [], [], self._pack(lookup_pool(x0, [], self.policy.lookup), x0, 0))
+        with self._phase("tree"):
+            length = self.policy.lookup
+            branches = find_lookup_branches(history, LOOKUP_LONG_TOKENS if self.long_lookup else length)
+            self.lookup_only = is_lookup_round(branches)
+            if self.lookup_only:
+                pool = lookup_pool(x0, branches)
+                return RoundPlan(x0, branches, [], self._pack(pool, x0, pool.tokens.shape[1]))
+            branches = [(tokens[:length], n) for tokens, n in branches]
+        with self._phase("datastore"):
+            retrieved = [] if self.datastore is None else self.datastore.branches(history[-MAX_MATCH:].tolist())
+        if self.gate is not None and not self.gate.is_open:
+            with self._phase("tree"):
+                self.gate.skipped()
+                pool = graft_nodes(lookup_pool(x0, branches, self.policy.lookup), retrieved, "retrieved")
+                return RoundPlan(x0, branches, retrieved, self._pack(pool, x0, pool.tokens.shape[1]))
+        self.ran_drafter = True
+        return RoundPlan(x0, branches, retrieved)
+
+    def stop_budget(self, plan: RoundPlan) -> int | None:
+        """The early stop of this round's expansion (`tree.expand_tree`): the most nodes it can pack."""
+        if self.policy.auto:  # the first round of an "auto" budget chooses it from the whole pool: no early stop
+            return None
+        return self.policy.budget + max_extra_budget(plan.branches, self.policy.lookup) + len(plan.retrieved)
+
+    def pack(self, plan: RoundPlan, pool: Candidates) -> DraftTree:
+        """The drafter's candidate `pool` (batch size 1) with the plan's lookup and datastore branches, packed."""
+        pool, extra = add_lookup_branches(pool, plan.branches, self.policy.lookup)
+        pool = graft_nodes(pool, plan.retrieved, "retrieved")
+        extra += 0 if pool.retrieved is None else int(pool.retrieved[0].sum())
+        return self._pack(pool, plan.x0, self.policy.budget + extra)
+
+    def after_round(self, tree: DraftTree, rnd: Round) -> None:
+        """Update the lookup state and the drafter gate with the round's result."""
+        if self.lookup_only:
+            self.long_lookup = rnd.num_accepted == tree.num_nodes >= self.policy.lookup
+        if self.ran_drafter and self.gate is not None:
+            self.gate.drafted(rnd.num_accepted - rnd.lookup_accepted() - rnd.datastore_accepted())
+
+
 class TreeSparkSession:
     """Decoding state of one sequence (batch size 1): target KV cache, drafter context, policy.
 
@@ -188,7 +283,6 @@ class TreeSparkSession:
                  gate: float = 0.0, datastore=None):
         self.target = target
         self.drafter = drafter.bind_target(target)
-        self.policy = policy
         self.choose_budget = choose_budget
         self.processors = logits_processor if logits_processor is not None else LogitsProcessorList()
         self.do_sample = do_sample
@@ -201,81 +295,55 @@ class TreeSparkSession:
         self.pending: torch.Tensor | None = None  # target features not yet in the drafter's context
         self.past_len = 0  # entries in the target cache
         self.timer = timer
-        self.gate = DrafterGate(gate) if policy.lookup else None
-        self.ran_drafter = False  # whether the current round ran the drafter
-        self.lookup_only = False  # whether the current round is lookup-only
-        self.long_lookup = False  # the last lookup-only round accepted its whole branch
-        self.datastore = datastore
+        self.planner = RowPlanner(policy, gate, datastore, timer)
+
+    @property
+    def policy(self) -> TreePolicy:
+        return self.planner.policy
 
     def _phase(self, name: str):
         return self.timer(name) if self.timer is not None else nullcontext()
 
     def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Run the prompt `[1, T]` through the target; returns the last position's logits `[1, V]`."""
-        out = self.target(input_ids=input_ids, use_cache=True, output_hidden_states=self.hidden_ids,
-                          **{self.cache_kw: self.cache})
+        with grouped_attention(self.target):
+            out = self.target(input_ids=input_ids, use_cache=True, output_hidden_states=self.hidden_ids,
+                              **{self.cache_kw: self.cache})
         self.pending = select_features(out.hidden_states, self.hidden_ids)
         self.past_len = input_ids.shape[1]
         return out.logits[:, -1]
 
     def draft(self, ids: torch.Tensor) -> DraftTree:
-        """Draft and pack this round's tree for the sequence `ids` (`[1, T]`; its last token is the anchor `x0`).
-
-        With `policy.lookup`, continuations of the text's suffix found earlier in it (prompt and output,
-        padding excluded) are grafted into the candidate pool before packing (`lookup.py`). A round whose
-        suffix matches strongly (`lookup.is_lookup_round`) verifies only its lookup branches and skips the
-        drafter pass; the features it commits wait in `pending` for the next drafter pass. So does a round
-        the drafter gate closes (`lookup.DrafterGate`): it verifies a short branch of its best match, if any.
-        With a datastore, every other round also grafts the continuations of the text's suffix in the
-        target's earlier outputs (`datastore.py`); each retrieved node adds one to the round's budget.
-        """
-        x0 = ids[:, -1]
-        self.ran_drafter = False
-        history = ids[0, ids.shape[1] - 1 - self.past_len:]  # the unpadded text, x0 last
-        with self._phase("tree"):
-            length = self.policy.lookup
-            branches = find_lookup_branches(history, LOOKUP_LONG_TOKENS if self.long_lookup else length)
-            self.lookup_only = is_lookup_round(branches)
-            if self.lookup_only:
-                pool = lookup_pool(x0, branches)
-                return pack_tree(pool, x0, pool.tokens.shape[1], max(self.policy.depth, int(pool.depths.max())))
-            branches = [(tokens[:length], n) for tokens, n in branches]
-        with self._phase("datastore"):
-            retrieved = [] if self.datastore is None else self.datastore.branches(history[-MAX_MATCH:].tolist())
-        if self.gate is not None and not self.gate.is_open:
-            with self._phase("tree"):
-                self.gate.skipped()
-                pool = graft_nodes(lookup_pool(x0, branches, self.policy.lookup), retrieved, "retrieved")
-                return pack_tree(pool, x0, pool.tokens.shape[1], _max_depth(pool, self.policy.depth))
-        self.ran_drafter = True
+        """Draft and pack this round's tree for the sequence `ids` (`[1, T]`; its last token is the anchor `x0`):
+        the planner's lookup-only or gated tree (`RowPlanner.plan`), or a drafter pass whose pool it packs with
+        the round's lookup and datastore branches. The features a round without a drafter pass commits wait in
+        `pending` for the next one."""
+        plan = self.planner.plan(ids[0, ids.shape[1] - 1 - self.past_len:])  # the unpadded text, x0 last
+        if plan.tree is not None:
+            return plan.tree
         with self._phase("draft"):
-            depth_logits = drafter_pass(self.drafter, self.policy, x0, self.past_len, self.pending, self.context)
+            depth_logits = drafter_pass(self.drafter, self.policy, plan.x0, self.past_len, self.pending, self.context)
         self.pending = None
         with self._phase("tree"):
-            # the first round of an "auto" budget chooses it from the whole pool: no early stop
-            stop = None if self.policy.auto else (self.policy.budget + max_extra_budget(branches, self.policy.lookup)
-                                                  + len(retrieved))
-            pool = expand_tree(depth_logits, self.drafter.markov_bias, x0, self.policy, self.drafter.draft_vocab_ids,
-                               stop_budget=stop)
+            pool = expand_tree(depth_logits, self.drafter.markov_bias, plan.x0, self.policy,
+                               self.drafter.draft_vocab_ids, stop_budget=self.planner.stop_budget(plan))
             if self.policy.auto:  # chosen on the drafter's own pool: the budget is the drafter's
                 if self.choose_budget is None:
                     raise ValueError("an 'auto' tree budget needs choose_budget (see hf_treespark.budget)")
-                self.policy = self.policy.with_budget(self.choose_budget(pool.scores[0]))
-            pool, extra = add_lookup_branches(pool, branches, self.policy.lookup)
-            pool = graft_nodes(pool, retrieved, "retrieved")
-            extra += 0 if pool.retrieved is None else int(pool.retrieved[0].sum())
-            return pack_tree(pool, x0, self.policy.budget + extra, _max_depth(pool, self.policy.depth))
+                self.planner.policy = self.policy.with_budget(self.choose_budget(pool.scores[0]))
+            return self.planner.pack(plan, pool)
 
     def verify(self, tree: DraftTree):
         """ONE target forward over the packed tree; the output has logits `[1, N + 1, V]`."""
-        return self.target(
-            input_ids=tree.tokens,
-            position_ids=tree_position_ids(tree, self.past_len),
-            attention_mask=tree_attention_mask(tree, self.past_len, self.target.dtype),
-            use_cache=True,
-            output_hidden_states=self.hidden_ids,
-            **{self.cache_kw: self.cache},
-        )
+        with grouped_attention(self.target):
+            return self.target(
+                input_ids=tree.tokens,
+                position_ids=tree_position_ids(tree, self.past_len),
+                attention_mask=tree_attention_mask(tree, self.past_len, self.target.dtype),
+                use_cache=True,
+                output_hidden_states=self.hidden_ids,
+                **{self.cache_kw: self.cache},
+            )
 
     def accept(self, tree: DraftTree, logits: torch.Tensor, ids: torch.Tensor) -> Acceptance:
         """The acceptance walk; `ids` (all tokens so far) is the prefix logits processors see."""
@@ -308,8 +376,5 @@ class TreeSparkSession:
         with self._phase("commit"):
             self.commit(verified, acceptance, num_accepted)
         rnd = Round(tree, acceptance, num_accepted)
-        if self.lookup_only:
-            self.long_lookup = num_accepted == tree.num_nodes >= self.policy.lookup
-        if self.ran_drafter and self.gate is not None:
-            self.gate.drafted(num_accepted - rnd.lookup_accepted() - rnd.datastore_accepted())
+        self.planner.after_round(tree, rnd)
         return rnd

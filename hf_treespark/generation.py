@@ -21,7 +21,8 @@ from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, St
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .budget import auto_budget, gate_threshold
+from .batch import BatchedSession
+from .budget import BatchBudget, auto_budget, gate_threshold
 from .datastore import DATASTORE_FILE, HEADER_TOKENS, Datastore, DatastoreError
 from .engine import Round, TreeSparkSession, draft_pool
 from .lookup import add_lookup_branches, find_lookup_branches, max_extra_budget
@@ -181,13 +182,14 @@ def check_supported(model, drafter, input_ids: torch.Tensor, generation_config: 
     if (generation_config.num_return_sequences or 1) > 1:
         raise ValueError("TreeSpark decoding returns one sequence per prompt: drop num_return_sequences or "
                          "the assistant_model.")
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"TreeSpark decoding supports batch size 1 for now (got {input_ids.shape[0]}). "
-                         "Call generate once per prompt.")
     if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError("TreeSpark decoding supports decoder-only targets.")
-    if input_ids.shape[1] == 0:
-        raise ValueError("input_ids is empty (shape [1, 0]): TreeSpark decoding needs at least one prompt token.")
+    if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids is empty (shape {list(input_ids.shape)}): TreeSpark decoding needs at least one "
+                         "prompt token per row.")
+    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool or input_ids.is_complex():
+        raise ValueError(f"input_ids has dtype {input_ids.dtype}: token ids must be integers (torch.long), as the "
+                         "tokenizer returns them.")
     vocab = model.get_input_embeddings().weight.shape[0]
     top = int(input_ids.max())
     if top >= vocab or int(input_ids.min()) < 0:
@@ -208,6 +210,43 @@ def check_arguments(generation_config: GenerationConfig, model_kwargs: dict) -> 
         raise ValueError(f"TreeSpark decoding does not return {' or '.join(outputs[f] for f in asked)} ({flags}): its "
                          f"target forwards run over drafted trees, not the committed text. Drop it; for those tensors, "
                          f"run the target once over out.sequences with {flags}.")
+
+
+def check_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                generation_config: GenerationConfig, streamer) -> torch.Tensor:
+    """The batch's attention mask (`[B, T]`, long), after refusing what batched decoding cannot take: a mask of
+    another shape or with values other than 0 and 1, right padding, a row of padding only; streamers and scores
+    (per-step tensors of the whole batch, which rows that advance by several tokens a round do not have)."""
+    rows, length = input_ids.shape
+    if streamer is not None:
+        raise ValueError(f"streamer: streaming needs batch size 1 (got {rows} rows), as transformers' streamers do. "
+                         "Drop the streamer, or generate one prompt at a time to stream it.")
+    asked = [flag for flag in ("output_scores", "output_logits") if getattr(generation_config, flag, False)]
+    if asked:
+        raise ValueError(f"{', '.join(f'{flag}=True' for flag in asked)} is supported at batch size 1 only (got "
+                         f"{rows} rows): drop it, or generate one prompt at a time for per-step scores.")
+    if attention_mask is None:
+        return torch.ones_like(input_ids)
+    if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (rows, length):
+        shape = (list(attention_mask.shape) if isinstance(attention_mask, torch.Tensor)
+                 else type(attention_mask).__name__)
+        raise ValueError(f"attention_mask has shape {shape} but input_ids has [{rows}, {length}]: pass the mask the "
+                         "tokenizer returned with these ids.")
+    mask = attention_mask.long()
+    if not bool(((mask == 0) | (mask == 1)).all()) or (attention_mask.dtype.is_floating_point
+                                                       and not torch.equal(attention_mask.float(), mask.float())):
+        raise ValueError("attention_mask holds values other than 0 and 1: pass the tokenizer's mask (1 = token, "
+                         "0 = padding).")
+    if not bool((mask[:, 1:] >= mask[:, :-1]).all()):
+        bad = int((mask[:, 1:] < mask[:, :-1]).any(dim=1).nonzero()[0, 0])
+        raise ValueError(f"row {bad} of the batch is right-padded (attention_mask zeros after tokens): TreeSpark "
+                         "decoding, like plain decoder-only generation, needs left padding; load the tokenizer with "
+                         "padding_side='left'.")
+    if not bool(mask[:, -1].all()):
+        bad = int((mask[:, -1] == 0).nonzero()[0, 0])
+        raise ValueError(f"row {bad} of the batch is all padding (attention_mask is 0 everywhere): give every row at "
+                         "least one prompt token.")
+    return mask
 
 
 def _left_padding(attention_mask: torch.Tensor | None, input_ids: torch.Tensor) -> int:
@@ -285,10 +324,14 @@ def treespark_decoding(
     check_arguments(generation_config, model_kwargs)
     check_supported(model, drafter, input_ids, generation_config)
     policy = resolve_policy(drafter, tree_budget, tree_topk, tree_depth, tree_frontier, tree_chain, tree_lookup)
-    policy, choose_budget = _auto_chooser(model, drafter, policy)
-    gate = resolve_gate(model, drafter, policy, tree_gate)
     datastore = resolve_datastore(drafter, tree_datastore)
     streamer = treespark_streamer
+    if input_ids.shape[0] > 1:
+        return batched_decoding(model, drafter, input_ids, logits_processor, stopping_criteria, generation_config,
+                                policy, resolve_gate(model, drafter, policy, tree_gate), datastore, streamer,
+                                tree_record, tree_timer, model_kwargs)
+    policy, choose_budget = _auto_chooser(model, drafter, policy)
+    gate = resolve_gate(model, drafter, policy, tree_gate)
     want_scores = bool(generation_config.output_scores)
     want_logits = bool(generation_config.output_logits)
     do_sample = bool(generation_config.do_sample)
@@ -353,6 +396,95 @@ def treespark_decoding(
         tree_budget=session.policy.budget,
         cache=session.cache if generation_config.use_cache else None,
     )
+
+
+def _pad_token(generation_config: GenerationConfig) -> int:
+    """The id plain `generate` pads finished rows with (its pad token, else its first end-of-sequence token)."""
+    pad = getattr(generation_config, "_pad_token_tensor", None)
+    if pad is None:
+        pad = generation_config.pad_token_id
+    if pad is None:
+        eos = generation_config.eos_token_id
+        pad = eos[0] if isinstance(eos, (list, tuple)) else eos
+    if pad is None:
+        raise ValueError("a batch whose rows may end at different lengths needs a pad token: set "
+                         "generation_config.pad_token_id (or pass pad_token_id=...), as plain batched generate does.")
+    return int(pad.flatten()[0]) if isinstance(pad, torch.Tensor) else int(pad)
+
+
+@torch.no_grad()
+def batched_decoding(model, drafter, input_ids: torch.Tensor, logits_processor: LogitsProcessorList,
+                     stopping_criteria: StoppingCriteriaList, generation_config: GenerationConfig, policy: TreePolicy,
+                     gate: float, datastore, streamer, tree_record: bool, tree_timer, model_kwargs: dict):
+    """`treespark_decoding` for a left-padded batch of `B > 1` rows (`batch.BatchedSession`).
+
+    Each row stops at its own end (end-of-sequence, a stopping criterion, the length limit) and is padded with the
+    pad token up to the longest row, as plain `generate` pads it; the batch ends when every row has ended. With
+    `tree_budget="auto"` the budget is chosen for the number of unfinished rows (`budget.BatchBudget`), again each
+    time rows finish. With `return_dict_in_generate=True`: `rounds`, `acceptance_length` and
+    `acceptance_by_depth` are per row (lists of B), `tree_budget` the budget of the first round; no cache is
+    returned (the batch's cache is ragged, and finished rows leave it).
+    """
+    mask = check_batch(input_ids, model_kwargs.get("attention_mask"), generation_config, streamer)
+    rows = input_ids.shape[0]
+    pad = _pad_token(generation_config)
+    chooser = BatchBudget(model, drafter, policy) if policy.auto else None
+    budget = None if chooser is not None and chooser.needs_scores else (chooser(rows) if chooser else policy.budget)
+
+    def choose_from_scores(scores):
+        chooser.from_scores(scores)
+        return chooser(len(active))
+
+    session = BatchedSession(model, drafter, policy, rows, logits_processor=logits_processor,
+                             do_sample=bool(generation_config.do_sample), cache=_empty_cache(model_kwargs),
+                             timer=tree_timer, gate=gate, datastore=datastore, budget=budget,
+                             choose_budget=choose_from_scores if budget is None else None)
+    first_budget = budget
+    logits = session.prefill(input_ids, mask).float()
+    processed = logits_processor(input_ids, logits) if len(logits_processor) else logits
+    first = torch.multinomial(torch.softmax(processed, dim=-1), 1) if generation_config.do_sample else \
+        processed.argmax(dim=-1, keepdim=True)
+    sequences = [torch.cat([input_ids[i:i + 1], first[i:i + 1]], dim=1) for i in range(rows)]
+    pads = (mask == 0).sum(dim=1).tolist()
+    records: list[list[RoundRecord]] = [[] for _ in range(rows)]
+    active = [i for i in range(rows) if _first_stop(stopping_criteria, sequences[i], 1) is None]
+    if len(active) < rows:
+        session.keep_rows([i for i in range(rows) if i in active])
+    while active:
+        if chooser is not None and not chooser.needs_scores and session.choose_budget is None:
+            session.set_budget(chooser(len(active)))
+        with tree_timer("round") if tree_timer is not None else nullcontext():
+            rounds = session.step([sequences[i][0, pads[i]:] for i in active], [sequences[i] for i in active])
+            if first_budget is None:
+                first_budget = session.budget
+            still = []
+            for position, (i, rnd) in enumerate(zip(active, rounds, strict=True)):
+                new_tokens = rnd.tokens
+                sequences[i] = torch.cat([sequences[i], new_tokens], dim=1)
+                stop = _first_stop(stopping_criteria, sequences[i], new_tokens.shape[1])
+                if stop is not None:
+                    sequences[i] = sequences[i][:, : sequences[i].shape[1] - new_tokens.shape[1] + stop]
+                    new_tokens = new_tokens[:, :stop]
+                else:
+                    still.append(position)
+                records[i].append(RoundRecord.of(rnd, new_tokens[0].tolist(), tree_record))
+            if len(still) < len(active):
+                active = [active[p] for p in still]
+                if active:
+                    session.keep_rows(still)
+
+    if datastore is not None:  # growing with use (`grow_tokens`): each row's output, padding excluded
+        for i in range(rows):
+            datastore.add(sequences[i][0, max(pads[i], input_ids.shape[1] - HEADER_TOKENS):].tolist())
+    width = max(seq.shape[1] for seq in sequences)
+    ids = torch.full((rows, width), pad, dtype=input_ids.dtype, device=input_ids.device)
+    for i, seq in enumerate(sequences):
+        ids[i, :seq.shape[1]] = seq[0]
+    if not generation_config.return_dict_in_generate:
+        return ids
+    stats = [acceptance_stats(r, session.policy.depth) for r in records]
+    return TreeSparkGenerateOutput(sequences=ids, rounds=records, acceptance_length=[m for m, _ in stats],
+                                   acceptance_by_depth=[d for _, d in stats], tree_budget=first_budget)
 
 
 def tree_record_dict(tree: DraftTree) -> dict:

@@ -92,13 +92,34 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class DrafterContextCache:
     """Per-layer keys/values of the projected target context, `[b, kv_heads, S, head_dim]`.
 
-    Only committed positions live here; the block's own keys/values are never cached.
+    Only committed positions live here; the block's own keys/values are never cached. A batch whose rows have
+    different context lengths (`batch.py`) keeps `valid` (`[b, S]` bool): which entries are real; the others
+    (padding) are hidden from the block's attention. None: every entry is real.
     """
 
     def __init__(self, num_layers: int):
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
         self.last_context: torch.Tensor | None = None  # `[b, 1, H]` projected context of the newest position
+        self.valid: torch.Tensor | None = None
+
+    def select(self, index: torch.Tensor, valid: torch.Tensor) -> None:
+        """Rebuild every layer from its entries `index` (`[b, S']`, per row); `valid` (`[b, S']`) says which of
+        them are real (compaction, `batch.py`)."""
+        self.valid = valid
+        for i, (keys, values) in enumerate(zip(self.keys, self.values, strict=True)):
+            if keys is not None:
+                gather = index[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[-1])
+                self.keys[i], self.values[i] = keys.gather(2, gather), values.gather(2, gather)
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep the batch rows `rows` (indices), in that order."""
+        for i, (keys, values) in enumerate(zip(self.keys, self.values, strict=True)):
+            if keys is not None:
+                self.keys[i], self.values[i] = keys[rows], values[rows]
+        for name in ("last_context", "valid"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name)[rows])
 
     def get_seq_length(self) -> int:
         return 0 if self.keys[0] is None else self.keys[0].shape[-2]
@@ -568,8 +589,10 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
             context_positions: `[b, s]` positions of those features (default: following the cache).
             context_cache: inference cache of projected context keys/values; the new context is
                 appended to it. With a cache, every block sees the whole cached context (`A` must be 1).
-            context_valid: `[b, s]` bool, training only: which context positions exist (padding).
-                Without a cache, block `a` sees the context positions `< anchor_positions[a]`.
+            context_valid: `[b, s]` bool: which context positions exist (padding). Without a cache (training),
+                block `a` sees the valid context positions `< anchor_positions[a]`; with one (a batch of rows
+                with different context lengths), the valid ones join the cache's `valid` entries, and each
+                block sees its row's valid entries only.
             return_logits: also compute `U_k` (`[b, A * B, |S|]`, float32).
             logit_slots: compute `U_k` for the first `logit_slots` depths of each block only
                 (`[b, A * logit_slots, |S|]`): a tree that expands fewer depths needs no more.
@@ -598,6 +621,8 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
             attention_mask = self._training_mask(anchor_positions, context_positions, context_valid)
         elif num_anchors != 1:
             raise ValueError("with a context cache the drafter drafts one block at a time (anchor_ids [b, 1])")
+        elif context_valid is not None or context_cache.valid is not None:
+            attention_mask = self._ragged_mask(context, context_valid, context_cache, bsz)
 
         for layer in self.layers:
             block = layer(block, block_rope, context, context_rope, attention_mask, context_cache)
@@ -632,6 +657,22 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
         rows = context.gather(1, before[:, :, None].expand(-1, -1, hidden))  # [b, A, H]
         rows = rows * (anchor_positions > 0)[:, :, None].to(rows.dtype)
         return self.anchor_proj(rows).repeat_interleave(bsz, dim=1)
+
+    def _ragged_mask(self, context, context_valid, context_cache: DrafterContextCache, bsz: int) -> torch.Tensor:
+        """A batch of rows with different context lengths: `context_cache.valid` extended by the new context's
+        `context_valid` (`[b, s]`), as the `[b, 1, 1, S + B]` bool mask of every block slot (a slot sees the real
+        context entries and its whole block)."""
+        b = context_valid.shape[0] if context_valid is not None else context_cache.valid.shape[0]
+        device = context_cache.valid.device if context_cache.valid is not None else context_valid.device
+        if context is not None:
+            new = (context_valid if context_valid is not None
+                   else torch.ones(b, context.shape[1], dtype=torch.bool, device=device))
+            old = context_cache.valid
+            if old is None:
+                old = torch.ones(b, context_cache.get_seq_length(), dtype=torch.bool, device=device)
+            context_cache.valid = torch.cat([old, new.bool()], dim=1)
+        block = torch.ones(b, bsz, dtype=torch.bool, device=device)
+        return torch.cat([context_cache.valid, block], dim=1)[:, None, None, :]
 
     def _training_mask(self, anchor_positions, context_positions, context_valid) -> BlockTrainingMask:
         """Block `a` sees context positions `< anchor_positions[a]` (and valid) and its own `B` slots."""

@@ -8,12 +8,73 @@ prefix and to its own root-to-node path.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from transformers import LogitsProcessorList
 
 from .tree import DraftTree
+
+GROUPED_SDPA = "treespark_grouped_sdpa"
+
+
+def grouped_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                           is_causal=None, **kwargs):
+    """transformers' sdpa attention, but grouped-query heads under a mask are computed without copying the cache.
+
+    For several query tokens and a mask (a tree verify), stock sdpa repeats every cached key and value once per query
+    head of its group (`repeat_kv`): a copy of the whole cache, per layer and forward, that grows with batch x
+    context (measured: 13% of a 4-row, 3-token verify forward over 256 cached tokens of SmolLM2-135M on a 2-core
+    CPU). Here the queries of each key/value head's group are stacked instead (`[b, kv_heads, groups * q, d]`) and
+    the mask repeated per group (`q x kv` entries): the same products, no copy. What stock sdpa already does well
+    (one query token, no mask, no grouping, biases, soft-capping) goes to it unchanged.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    b, heads, q, dim = query.shape
+    plain = (groups == 1 or q == 1 or attention_mask is None or attention_mask.dim() != 4
+             or attention_mask.shape[1] != 1 or kwargs.get("position_bias") is not None
+             or kwargs.get("softcap") is not None or kwargs.get("output_attentions"))
+    if plain:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    stacked = query.reshape(b, heads // groups, groups * q, dim)
+    mask = attention_mask[:, :, :, : key.shape[2]].repeat(1, 1, groups, 1)
+    out = F.scaled_dot_product_attention(stacked, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
+    return out.reshape(b, heads, q, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+def _register_grouped_sdpa() -> bool:
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    except ImportError:
+        return False
+    AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(GROUPED_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    return True
+
+
+_GROUPED_SDPA_REGISTERED = _register_grouped_sdpa()
+
+
+@contextmanager
+def grouped_attention(model) -> Iterator[None]:
+    """Within the block, a target loaded with sdpa attention uses `grouped_sdpa_attention` (the package's forwards
+    only: prefill, verify, latency measurement); any other attention is left as it is."""
+    config = getattr(model, "config", None)
+    if not _GROUPED_SDPA_REGISTERED or getattr(config, "_attn_implementation", None) != "sdpa":
+        yield
+        return
+    config._attn_implementation = GROUPED_SDPA
+    try:
+        yield
+    finally:
+        config._attn_implementation = "sdpa"
 
 
 def tree_attention_mask(

@@ -258,18 +258,18 @@ def test_a_closed_drafter_gate_skips_the_drafter_and_stays_exact(llama_pair):
             seq = torch.cat([ids, session.prefill(ids).argmax(-1, keepdim=True)], dim=1)
             kinds[gate] = []
             while seq.shape[1] < ref.shape[1]:
-                passes, idle = len(offsets), session.gate.idle
+                passes, idle = len(offsets), session.planner.gate.idle
                 rnd = session.step(seq)
                 if len(offsets) > passes:
                     kinds[gate].append("drafter")
-                    assert session.gate.idle == 0
-                elif session.gate.idle == idle + 1:  # the gate skipped the drafter
+                    assert session.planner.gate.idle == 0
+                elif session.planner.gate.idle == idle + 1:  # the gate skipped the drafter
                     kinds[gate].append("gated")
                     assert rnd.tree.num_nodes <= 6  # one branch of at most L tokens
                     assert rnd.tree.num_nodes == 0 or bool(rnd.tree.lookup[0, 1:].all())
                 else:  # a lookup-only round (a 3-token match) leaves the gate's count alone
                     kinds[gate].append("lookup")
-                    assert session.gate.idle == idle
+                    assert session.planner.gate.idle == idle
                 seq = torch.cat([seq, rnd.tokens], dim=1)
             assert torch.equal(seq[:, : ref.shape[1]], ref), gate
     finally:

@@ -397,8 +397,8 @@ def test_candidate_generator_in_a_hand_written_loop(llama_pair):
 def test_refusals_are_clear(llama_pair):
     target, drafter = llama_pair
     ids = prompt(15, 5)
-    with pytest.raises(ValueError, match="batch size 1"):
-        target.generate(ids.repeat(2, 1), assistant_model=drafter, max_new_tokens=3)
+    with pytest.raises(ValueError, match="streaming needs batch size 1"):
+        target.generate(ids.repeat(2, 1), assistant_model=drafter, max_new_tokens=3, streamer=RecordingStreamer())
     with pytest.raises(ValueError, match="beam search"):
         target.generate(ids, assistant_model=drafter, num_beams=2, max_new_tokens=3)
     with pytest.raises(ValueError, match="num_return_sequences"):
