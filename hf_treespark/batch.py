@@ -40,11 +40,29 @@ import torch
 from transformers import DynamicCache, LogitsProcessorList
 
 from .engine import PhaseTimer, Round, RowPlanner, feature_indices, select_features
+from .lookup import DrafterGate
 from .tree import Candidates, DraftTree, TreePolicy, expand_tree
 from .verify import cache_kwarg, commit_cache, greedy_accept, grouped_attention, processed_accept
 
 COMPACT_MIN = 64  # entries below which a cache is never compacted
 EXTRA_NODES = 0  # nodes a row's tree may hold beyond the budget (lookup and datastore branches included)
+
+
+class BatchGate(DrafterGate):
+    """The drafter gate of a batch, shared by its rows: every row's drafter round feeds its running mean, and its
+    idle count is in rounds of the batch (a round in which any row went without the drafter), not of rows."""
+
+    def __init__(self, threshold: float):
+        super().__init__(threshold)
+        self.counted = False
+
+    def new_round(self) -> None:
+        self.counted = False
+
+    def skipped(self) -> None:
+        if not self.counted:
+            self.counted = True
+            super().skipped()
 
 
 def pool_row(pool: Candidates, row: int) -> Candidates:
@@ -76,7 +94,9 @@ class BatchedSession:
         policy: the tree policy; `budget` (if given) fixes its budget (`set_budget` changes it; 0 = plain steps,
             nothing drafted). An "auto" policy without a budget drafts its whole pool until `choose_budget` decides.
         logits_processor / do_sample: how the target picks tokens (the per-node walk when either is set).
-        gate / datastore: as `engine.TreeSparkSession`, per row.
+        gate: the threshold of the batch's drafter gate (`lookup.DrafterGate`, one for all rows: the drafter pass
+            serves every row; each row's drafter rounds feed it, and each row's round without it counts as idle).
+        datastore: as `engine.TreeSparkSession`.
         choose_budget: for "auto" without a calibrated profile, called once with the first drafter pool's scores
             (`[b, C]`); returns the budget.
     """
@@ -97,6 +117,9 @@ class BatchedSession:
         self.timer = timer
         self.choose_budget = choose_budget
         self.planners = [RowPlanner(policy, gate, datastore, timer) for _ in range(batch_size)]
+        self.gate = BatchGate(gate) if policy.lookup else None  # one for the batch: the pass serves every row
+        for planner in self.planners:
+            planner.gate = self.gate
         if budget is not None:
             self.set_budget(budget)
         self.pending: list[torch.Tensor] = []  # per row: target features `[p, F]` not yet in the drafter's context
@@ -241,6 +264,8 @@ class BatchedSession:
     def step(self, texts: list[torch.Tensor], sequences: list[torch.Tensor]) -> list[Round]:
         """One round for every row: `texts` each row's unpadded text (1-D, its last token `x0`), `sequences` each
         row's tokens as logits processors see them (`[1, T_i]`, padding included)."""
+        if self.gate is not None:
+            self.gate.new_round()
         trees = self.draft(texts)
         with self._phase("verify"):
             verified = self.verify(trees)

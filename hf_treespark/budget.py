@@ -77,9 +77,23 @@ DEFAULT_CPU_ROUND_COST = {
     "bfloat16": {4: 1.25, 8: 1.36, 16: 1.58},
 }
 
-# The same, for a batch of `B` rows against a plain step of `B` rows (`BatchBudget`); measured as above (session 14).
+# A round's verify forward and drafter pass for a batch of `B` rows, in plain steps of `B` rows (`BatchBudget`):
+# the shipped drafter on the AVX2-only AMD EPYC, float32, grouped-query verify attention, 256 cached tokens,
+# `budget.measure_round_latency(batch=B)`, session 14 (plain steps of 87 / 89 / 84 / 120 / 163 ms at B = 1 / 2 /
+# 4 / 8 / 16: up to 4 rows a plain step costs what one row's does).
 DEFAULT_CPU_BATCH_ROUND_COST = {
-    "float32": {},
+    "float32": {
+        1: {"verify": {2: 1.07, 4: 1.21, 8: 1.32, 16: 1.56, 32: 1.98, 64: 2.94},
+            "draft": {2: 0.21, 4: 0.27, 8: 0.38, 16: 0.34, 32: 0.36, 64: 0.36}},
+        2: {"verify": {2: 1.13, 4: 1.32, 8: 1.53, 16: 2.01},
+            "draft": {2: 0.25, 4: 0.3, 8: 0.41, 16: 0.43}},
+        4: {"verify": {2: 1.33, 4: 1.62, 8: 1.98, 16: 3.02},
+            "draft": {2: 0.28, 4: 0.39, 8: 0.49, 16: 0.47}},
+        8: {"verify": {2: 1.39, 4: 1.72, 8: 2.44, 16: 3.53},
+            "draft": {2: 0.33, 4: 0.42, 8: 0.57, 16: 0.6}},
+        16: {"verify": {2: 1.63, 4: 2.07, 8: 3.13, 16: 5.12},
+            "draft": {2: 0.4, 4: 0.52, 8: 0.7, 16: 0.74}},
+    },
 }
 
 
@@ -514,44 +528,63 @@ def measured_batch(batch: int) -> int:
     return 1 if batch <= 1 else min((b for b in BATCH_SIZES if b >= batch), default=BATCH_SIZES[-1])
 
 
-def default_round_cost(target, budgets, batch: int = 1) -> dict[int, float] | None:
-    """What a round costs in plain steps (of the same batch), by budget, on this kind of device before (or without)
-    a trusted measurement of this machine: `DEFAULT_CPU_ROUND_COST` (`DEFAULT_CPU_BATCH_ROUND_COST` for a batch)
-    for a CPU in its dtype (a batch in another dtype: float32's), for the budgets it has a figure for; None
-    elsewhere."""
+def default_round_cost(target, budgets) -> dict[int, float] | None:
+    """What a round costs in plain steps, by budget, on this kind of device before (or without) a trusted
+    measurement of this machine: `DEFAULT_CPU_ROUND_COST` for a CPU in its dtype, for the budgets it has a
+    figure for; None elsewhere."""
     param = next(target.parameters())
-    if param.device.type != "cpu":
-        return None
-    dtype = str(param.dtype).removeprefix("torch.")
-    if batch > 1:
-        table = DEFAULT_CPU_BATCH_ROUND_COST.get(dtype, DEFAULT_CPU_BATCH_ROUND_COST["float32"]).get(batch)
-    else:
-        table = DEFAULT_CPU_ROUND_COST.get(dtype)
+    table = DEFAULT_CPU_ROUND_COST.get(str(param.dtype).removeprefix("torch.")) if param.device.type == "cpu" else None
     costs = {n: table[n] for n in budgets if n in table} if table else {}
     return costs or None
 
 
-class BatchBudget:
-    """`tree_budget="auto"` for a batch (`batch.py`): for the number of unfinished rows `B`, the budget with the most
-    committed tokens per second, `tau(N) / cost_B(N)` (`cost_B(N)`: a round of `B` rows at budget `N`, in plain
-    steps of `B` rows), or 0 (plain steps) when no budget beats a plain step. A verify forward of `B x (N + 1)`
-    tokens costs more the larger `B` (on a CPU a plain step of 16 rows is already compute-bound), so the budget
-    shrinks as the batch grows and grows again as rows finish.
+def default_batch_cost(target, budgets, batch: int) -> dict[str, dict[int, float]] | None:
+    """`{"verify": {N: r}, "draft": {N: r}}` for a round of `batch` rows (a measured size) in plain steps of that batch,
+    on a CPU before (or without) a trusted measurement of this machine (`DEFAULT_CPU_BATCH_ROUND_COST`, float32's for
+    another dtype); None elsewhere or without figures for these budgets."""
+    param = next(target.parameters())
+    if param.device.type != "cpu":
+        return None
+    tables = DEFAULT_CPU_BATCH_ROUND_COST.get(str(param.dtype).removeprefix("torch."),
+                                              DEFAULT_CPU_BATCH_ROUND_COST["float32"])
+    table = tables.get(batch)
+    if not table:
+        return None
+    known = [n for n in budgets if n in table["verify"] and n in table["draft"]]
+    return {part: {n: table[part][n] for n in known} for part in ("verify", "draft")} if known else None
 
-    `cost_B`: this device's latency measured for `B` rows (`calibrate_latency(batch=B)`, `treespark calibrate
-    --batch-sizes`), rounded up to a measured size (`measured_batch`), else `default_round_cost`. `tau(N)`: the
-    drafter's `acceptance_profile`, else (`needs_scores`) the first drafter pool's scores, averaged over rows.
+
+class BatchBudget:
+    """The budget and the drafter gate's threshold for a batch (`batch.py`), by the number of unfinished rows `B`.
+
+    Budget (`tree_budget="auto"`; a fixed budget stays as given): the one with the most committed tokens per
+    second, `tau(N) / cost_B(N)` (`cost_B(N)`: a round of `B` rows at budget `N`, drafter pass included, in plain
+    steps of `B` rows), or 0 (plain steps) when none beats a plain step. A verify forward of `B x (N + 1)` tokens
+    costs more the larger `B` (on a CPU a plain step of many rows is already compute-bound), so the budget shrinks
+    as the batch grows and grows again as rows finish. `cost_B`: this device's latency measured for `B` rows
+    (`calibrate_latency(batch=B)`, `treespark calibrate --batch-sizes`), rounded up to a measured size
+    (`measured_batch`), else `default_batch_cost`. `tau(N)`: the drafter's `batch_acceptance_profile` (rounds of a
+    batch, lookup and datastore branches within the `N` nodes; `calibrate_batch_acceptance`), else its
+    `acceptance_profile`, else (`needs_scores`) the first drafter pool's scores, averaged over rows.
+
+    Gate (`gate_threshold`): one drafter pass serves every row, and the rows' lookup and datastore branches are
+    verified with or without it, so the pass has to earn its own cost: the batch's drafter gate (one
+    `lookup.DrafterGate` shared by the rows) stays open while the drafted tokens accepted per row and drafter
+    round reach `t_draft_B(N) / t_plain_B`, the pass in plain steps of the batch. Measured with the shipped drafter
+    (4 rows, 8 MT-Bench and 8 HumanEval prompts, float32, 2-core CPU): the pass is 0.3 plain steps and adds
+    0.07-0.15 accepted tokens per row to the lookup and datastore branches; rounds without it ran 1.03-1.14x faster.
     """
 
     def __init__(self, target, drafter, policy: TreePolicy):
         self.target, self.drafter, self.policy = target, drafter, policy
-        profile = getattr(drafter.config, "acceptance_profile", None)
+        profile = (getattr(drafter.config, "batch_acceptance_profile", None)
+                   or getattr(drafter.config, "acceptance_profile", None))
         self.acceptance = profile_acceptance(profile, _budgets_for(policy)) if profile else None
         self.chosen: dict[int, int] = {}  # by batch size
 
     @property
     def needs_scores(self) -> bool:
-        return self.acceptance is None
+        return self.policy.auto and self.acceptance is None
 
     def from_scores(self, scores: torch.Tensor) -> None:
         """`tau(N)` from a drafter pool's scores (`[b, C]`), averaged over its rows (`score_acceptance`)."""
@@ -559,16 +592,20 @@ class BatchBudget:
         self.acceptance = {n: sum(r[n] for r in rows) / len(rows) for n in rows[0]}
         self.chosen.clear()
 
-    def round_cost(self, batch: int) -> dict[int, float] | None:
-        """`{N: cost}` of a round of `batch` rows in plain steps: measured, else the default; None without either."""
+    def round_cost(self, batch: int) -> dict[str, dict[int, float]] | None:
+        """`{"verify": {N: r}, "draft": {N: r}}`: a round's parts for `batch` rows in plain steps of `batch` rows,
+        measured, else the default; None without either."""
         size = measured_batch(batch)
         budgets = batch_budgets(self.policy, size)
         latency = round_latency(self.target, self.drafter, self.policy, budgets, measure=False, batch=size)
         if latency is not None:
-            return {n: (latency["verify"][n] + latency["draft"][n]) / latency["verify"][0] for n in budgets}
-        return default_round_cost(self.target, budgets, size)
+            step = latency["verify"][0]
+            return {part: {n: latency[part][n] / step for n in budgets} for part in ("verify", "draft")}
+        return default_batch_cost(self.target, budgets, size)
 
     def __call__(self, batch: int) -> int:
+        if not self.policy.auto:
+            return self.policy.budget
         if batch not in self.chosen:
             self.chosen[batch] = self._choose(batch)
         return self.chosen[batch]
@@ -577,8 +614,18 @@ class BatchBudget:
         costs = self.round_cost(batch)
         if not costs or self.acceptance is None:  # an accelerator without a measurement: the batch-1 default
             return fallback_budget(self.target, self.policy, self.drafter)
-        rate = {0: 1.0} | {n: self.acceptance[n] / cost for n, cost in costs.items() if n in self.acceptance}
+        rate = {0: 1.0} | {n: self.acceptance[n] / (costs["verify"][n] + costs["draft"][n])
+                           for n in costs["verify"] if n in self.acceptance}
         return max(rate, key=lambda n: (rate[n], -n))
+
+    def gate_threshold(self, batch: int, budget: int) -> float:
+        """The batch's drafter gate threshold at `budget`: the drafter pass in plain steps of `batch` rows
+        (`FALLBACK_GATE` without a cost for it)."""
+        costs = self.round_cost(batch)
+        if not costs or not costs["draft"]:
+            return FALLBACK_GATE["cpu" if next(self.target.parameters()).device.type == "cpu" else "accelerator"]
+        n = min(costs["draft"], key=lambda b: (abs(b - budget), b))
+        return costs["draft"][n]
 
 
 def fallback_budget(target, policy: TreePolicy, drafter=None) -> int:
@@ -695,5 +742,35 @@ def calibrate_acceptance(target, drafter, prompts: list[dict], budgets=CANDIDATE
                                   do_sample=False, tree_budget=n, tree_lookup=0, return_dict_in_generate=True)
             committed += sum(r.acceptance_length for r in out.rounds)
             rounds += len(out.rounds)
+        profile[str(n)] = committed / max(1, rounds)
+    return profile
+
+
+def calibrate_batch_acceptance(target, drafter, prompts: list[dict], budgets=(2, 4, 8), batch: int = 4,
+                               max_new_tokens: int = 64, pad_token_id: int = 0, progress: bool = True) -> dict[str, float]:
+    """The drafter's mean acceptance length per row and round at each budget in batched decoding (greedy, `batch`
+    rows, the package's defaults: lookup and datastore branches within the `N` nodes, the batch's drafter gate):
+    what `config.batch_acceptance_profile` holds, `{"N": tau}`. `prompts`: tokenised inputs (`input_ids` `[1, T]`),
+    left-padded here into batches of `batch`."""
+    from tqdm.auto import tqdm
+
+    batches = []
+    for start in range(0, len(prompts), batch):
+        rows = [p["input_ids"][0] for p in prompts[start:start + batch]]
+        width = max(r.shape[0] for r in rows)
+        ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, row in enumerate(rows):
+            ids[i, width - row.shape[0]:], mask[i, width - row.shape[0]:] = row, 1
+        batches.append({"input_ids": ids, "attention_mask": mask})
+    profile = {}
+    for n in tqdm(budgets, desc="calibrating batched acceptance", disable=not progress):
+        committed = rounds = 0
+        for inputs in batches:
+            out = target.generate(**inputs, assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=False,
+                                  tree_budget=n, pad_token_id=pad_token_id, return_dict_in_generate=True)
+            per_row = out.rounds if inputs["input_ids"].shape[0] > 1 else [out.rounds]
+            committed += sum(r.acceptance_length for row in per_row for r in row)
+            rounds += sum(len(row) for row in per_row)
         profile[str(n)] = committed / max(1, rounds)
     return profile

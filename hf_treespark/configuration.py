@@ -39,6 +39,9 @@ class TreeSparkConfig(PretrainedConfig):
             (`hf_treespark.budget`).
         acceptance_profile: measured mean acceptance length per budget, `{"N": tau}`
             (`hf_treespark.budget.calibrate_acceptance`), or None.
+        batch_acceptance_profile: the same for batched decoding, whose rows verify at most `N` nodes with the
+            lookup and datastore branches competing for them (`hf_treespark.budget.calibrate_batch_acceptance`),
+            or None (`acceptance_profile` then prices batches too).
         tree_lookup: tokens per lookup branch grafted into each round's tree (continuations of the
             text's suffix found earlier in the prompt or output; `hf_treespark.lookup`); 0 = off.
         tree_datastore: graft the drafter's datastore branches (continuations of the text's suffix in the
@@ -87,6 +90,7 @@ class TreeSparkConfig(PretrainedConfig):
         tree_frontier: int = 4,
         tree_budget: int | str = 32,
         acceptance_profile: dict[str, float] | None = None,
+        batch_acceptance_profile: dict[str, float] | None = None,
         tree_lookup: int = 0,
         tree_datastore: bool = True,
         datastore_grow_tokens: int = 0,
@@ -121,6 +125,7 @@ class TreeSparkConfig(PretrainedConfig):
         self.tree_frontier = tree_frontier
         self.tree_budget = tree_budget
         self.acceptance_profile = _acceptance_profile(acceptance_profile)
+        self.batch_acceptance_profile = _acceptance_profile(batch_acceptance_profile, "batch_acceptance_profile")
         self.tree_lookup = tree_lookup
         self.tree_datastore = tree_datastore
         self.datastore_grow_tokens = datastore_grow_tokens
@@ -149,9 +154,10 @@ class TreeSparkConfig(PretrainedConfig):
                 continue
             need(isinstance(value, int) and not isinstance(value, bool) and value > 0, name,
                  "must be a positive integer" + (' or "auto"' if name == "tree_budget" else ""))
-        need(self.acceptance_profile is None
-             or all(int(n) > 0 and t >= 1.0 for n, t in self.acceptance_profile.items()), "acceptance_profile",
-             'must map budgets N > 0 to acceptance lengths >= 1, e.g. {"8": 1.9}')
+        for name in ("acceptance_profile", "batch_acceptance_profile"):
+            profile = getattr(self, name)
+            need(profile is None or all(int(n) > 0 and t >= 1.0 for n, t in profile.items()), name,
+                 'must map budgets N > 0 to acceptance lengths >= 1, e.g. {"8": 1.9}')
         need(len(self.target_layer_ids) > 0, "target_layer_ids", "needs at least one target layer")
         need(all(0 <= i < self.target_num_hidden_layers - 1 for i in self.target_layer_ids), "target_layer_ids",
              f"layer ids must lie in [0, {self.target_num_hidden_layers - 2}] (the last target layer is post-norm "
@@ -221,7 +227,7 @@ def _layer_ids(value) -> list[int]:
                          "target layer ids, e.g. [1, 8, 14]") from None
 
 
-def _acceptance_profile(value) -> dict[str, float] | None:
+def _acceptance_profile(value, name: str = "acceptance_profile") -> dict[str, float] | None:
     if not value:
         return None
     try:
@@ -235,7 +241,7 @@ def _acceptance_profile(value) -> dict[str, float] | None:
             profile[str(budget)] = float(tau)
         return profile
     except (TypeError, ValueError):
-        raise ValueError(f"TreeSparkConfig.acceptance_profile={value!r} is invalid: expected a mapping from integer "
+        raise ValueError(f"TreeSparkConfig.{name}={value!r} is invalid: expected a mapping from integer "
                          'tree budgets to measured acceptance lengths, e.g. {"8": 1.9, "16": 2.1}') from None
 
 

@@ -327,9 +327,10 @@ def treespark_decoding(
     datastore = resolve_datastore(drafter, tree_datastore)
     streamer = treespark_streamer
     if input_ids.shape[0] > 1:
+        gate = None if isinstance(tree_gate, str) and tree_gate == "auto" else resolve_gate(model, drafter, policy,
+                                                                                             tree_gate)
         return batched_decoding(model, drafter, input_ids, logits_processor, stopping_criteria, generation_config,
-                                policy, resolve_gate(model, drafter, policy, tree_gate), datastore, streamer,
-                                tree_record, tree_timer, model_kwargs)
+                                policy, gate, datastore, streamer, tree_record, tree_timer, model_kwargs)
     policy, choose_budget = _auto_chooser(model, drafter, policy)
     gate = resolve_gate(model, drafter, policy, tree_gate)
     want_scores = bool(generation_config.output_scores)
@@ -415,21 +416,22 @@ def _pad_token(generation_config: GenerationConfig) -> int:
 @torch.no_grad()
 def batched_decoding(model, drafter, input_ids: torch.Tensor, logits_processor: LogitsProcessorList,
                      stopping_criteria: StoppingCriteriaList, generation_config: GenerationConfig, policy: TreePolicy,
-                     gate: float, datastore, streamer, tree_record: bool, tree_timer, model_kwargs: dict):
+                     gate: float | None, datastore, streamer, tree_record: bool, tree_timer, model_kwargs: dict):
     """`treespark_decoding` for a left-padded batch of `B > 1` rows (`batch.BatchedSession`).
 
     Each row stops at its own end (end-of-sequence, a stopping criterion, the length limit) and is padded with the
     pad token up to the longest row, as plain `generate` pads it; the batch ends when every row has ended. With
     `tree_budget="auto"` the budget is chosen for the number of unfinished rows (`budget.BatchBudget`), again each
-    time rows finish. With `return_dict_in_generate=True`: `rounds`, `acceptance_length` and
+    time rows finish; so is the threshold of the batch's drafter gate with `tree_gate="auto"` (`gate` None; a number
+    is kept). With `return_dict_in_generate=True`: `rounds`, `acceptance_length` and
     `acceptance_by_depth` are per row (lists of B), `tree_budget` the budget of the first round; no cache is
     returned (the batch's cache is ragged, and finished rows leave it).
     """
     mask = check_batch(input_ids, model_kwargs.get("attention_mask"), generation_config, streamer)
     rows = input_ids.shape[0]
     pad = _pad_token(generation_config)
-    chooser = BatchBudget(model, drafter, policy) if policy.auto else None
-    budget = None if chooser is not None and chooser.needs_scores else (chooser(rows) if chooser else policy.budget)
+    chooser = BatchBudget(model, drafter, policy)
+    budget = None if chooser.needs_scores else chooser(rows)
 
     def choose_from_scores(scores):
         chooser.from_scores(scores)
@@ -437,7 +439,8 @@ def batched_decoding(model, drafter, input_ids: torch.Tensor, logits_processor: 
 
     session = BatchedSession(model, drafter, policy, rows, logits_processor=logits_processor,
                              do_sample=bool(generation_config.do_sample), cache=_empty_cache(model_kwargs),
-                             timer=tree_timer, gate=gate, datastore=datastore, budget=budget,
+                             timer=tree_timer, gate=gate if gate is not None else 0.0, datastore=datastore,
+                             budget=budget,
                              choose_budget=choose_from_scores if budget is None else None)
     first_budget = budget
     logits = session.prefill(input_ids, mask).float()
@@ -451,8 +454,10 @@ def batched_decoding(model, drafter, input_ids: torch.Tensor, logits_processor: 
     if len(active) < rows:
         session.keep_rows([i for i in range(rows) if i in active])
     while active:
-        if chooser is not None and not chooser.needs_scores and session.choose_budget is None:
+        if not chooser.needs_scores and session.choose_budget is None:
             session.set_budget(chooser(len(active)))
+        if gate is None and session.gate is not None:
+            session.gate.threshold = chooser.gate_threshold(len(active), session.policy.budget)
         with tree_timer("round") if tree_timer is not None else nullcontext():
             rounds = session.step([sequences[i][0, pads[i]:] for i in active], [sequences[i] for i in active])
             if first_budget is None:

@@ -219,14 +219,19 @@ def test_the_auto_budget_shrinks_with_the_batch_and_falls_back_to_plain_steps(mo
     drafter = make_drafter(target, tree_budget="auto")
     drafter.config.acceptance_profile = {"2": 1.5, "4": 1.7, "8": 1.8}
     monkeypatch.setattr(budget, "round_latency", lambda *a, **k: None)  # no measurement: the defaults
-    monkeypatch.setattr(budget, "DEFAULT_CPU_ROUND_COST", {"float32": {2: 1.2, 4: 1.3, 8: 1.7}})
+    def costs(total: dict[int, float], draft: float) -> dict:
+        return {"verify": {n: c - draft for n, c in total.items()}, "draft": {n: draft for n in total}}
+
     monkeypatch.setattr(budget, "DEFAULT_CPU_BATCH_ROUND_COST", {"float32": {
-        2: {2: 1.2, 4: 1.4, 8: 2.0}, 4: {2: 1.4, 4: 1.9, 8: 2.8}, 8: {2: 1.9, 4: 2.6, 8: 4.0},
-        16: {2: 2.5, 4: 3.5, 8: 5.0}}})
+        1: costs({2: 1.2, 4: 1.3, 8: 1.7}, 0.2), 2: costs({2: 1.2, 4: 1.4, 8: 2.0}, 0.25),
+        4: costs({2: 1.4, 4: 1.9, 8: 2.8}, 0.3), 8: costs({2: 1.9, 4: 2.6, 8: 4.0}, 0.4),
+        16: costs({2: 2.5, 4: 3.5, 8: 5.0}, 0.5)}})
     policy = budget.TreePolicy.from_config(drafter.config)
     chooser = budget.BatchBudget(target, drafter, policy)
     chosen = {b: chooser(b) for b in (1, 2, 3, 4, 8, 16)}
     assert chosen == {1: 4, 2: 2, 3: 2, 4: 2, 8: 0, 16: 0}
+    # the batch's drafter gate: the pass in plain steps of the batch, at the nearest budget
+    assert chooser.gate_threshold(4, 2) == pytest.approx(0.3) and chooser.gate_threshold(16, 3) == pytest.approx(0.5)
     # and decoding with it stays exact, also in the plain steps of a large batch
     ids, mask = padded_batch([3, 8, 5, 2, 6, 1, 4, 7, 9], seed=5)
     ref = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12, pad_token_id=0)
