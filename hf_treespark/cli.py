@@ -126,6 +126,14 @@ def cmd_calibrate(args) -> int:
     prompts = _calibration_prompts(args, tokenizer)
     profile = budget.calibrate_acceptance(target, drafter, prompts, budgets, args.max_new_tokens)
     config["acceptance_profile"] = profile
+    if batch_sizes:  # batched rounds: at most N nodes, lookup and datastore branches among them
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        batch_budgets = [n for n in budgets if n <= 16]
+        config["batch_acceptance_profile"] = budget.calibrate_batch_acceptance(
+            target, drafter, prompts, batch_budgets or budgets[:1], batch=min(batch_sizes),
+            max_new_tokens=args.max_new_tokens, pad_token_id=pad)
+        print(f"[calibrate] acceptance length per row and round in batches of {min(batch_sizes)}: "
+              f"{config['batch_acceptance_profile']}")
     TreeSparkConfig.from_dict(config)  # raises, before writing, if the directory would no longer load
     tmp = config_path.with_suffix(".json.tmp")  # a crash never leaves a half-written config
     tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -471,7 +479,8 @@ def main(argv: list[str] | None = None, before_command: Callable[[], object] | N
     cal.add_argument("--force", action="store_true",
                      help="measure this machine's round latency again (on a quiet machine), replacing the cached one")
     cal.add_argument("--batch-sizes", metavar="B[,B...]",
-                     help="also measure rounds of these batch sizes, for 'auto' in batched generate (e.g. 2,4,8,16)")
+                     help="also measure rounds of these batch sizes, for 'auto' in batched generate (e.g. 2,4,8,16), "
+                          "and (with --drafter) the acceptance per row in batches of the smallest")
     cal.add_argument("--latency-only", action="store_true",
                      help="only the round latency; leave the drafter's acceptance_profile as it is")
     cal.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",

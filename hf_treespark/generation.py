@@ -432,6 +432,9 @@ def batched_decoding(model, drafter, input_ids: torch.Tensor, logits_processor: 
     pad = _pad_token(generation_config)
     chooser = BatchBudget(model, drafter, policy)
     budget = None if chooser.needs_scores else chooser(rows)
+    if budget == 0:  # no tree pays at this batch size: plain decoding, transformers' own loop
+        return _plain_batch(model, drafter, input_ids, logits_processor, stopping_criteria, generation_config,
+                            model_kwargs)
 
     def choose_from_scores(scores):
         chooser.from_scores(scores)
@@ -490,6 +493,20 @@ def batched_decoding(model, drafter, input_ids: torch.Tensor, logits_processor: 
     stats = [acceptance_stats(r, session.policy.depth) for r in records]
     return TreeSparkGenerateOutput(sequences=ids, rounds=records, acceptance_length=[m for m, _ in stats],
                                    acceptance_by_depth=[d for _, d in stats], tree_budget=first_budget)
+
+
+def _plain_batch(model, drafter, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs):
+    """A batch decoded by transformers' own sampling loop (plain greedy or sampling): what "auto" does where no
+    tree budget beats a plain step. With `return_dict_in_generate=True`, no rounds (a plain step commits one token
+    per forward: acceptance 1) and `tree_budget` 0."""
+    out = type(model)._sample(model, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+                              generation_config=generation_config, synced_gpus=False, streamer=None, **model_kwargs)
+    if not generation_config.return_dict_in_generate:
+        return out
+    rows, depth = input_ids.shape[0], drafter.config.block_size
+    return TreeSparkGenerateOutput(sequences=out.sequences, rounds=[[] for _ in range(rows)],
+                                   acceptance_length=[1.0] * rows, acceptance_by_depth=[[0.0] * depth] * rows,
+                                   tree_budget=0, cache=getattr(out, "past_key_values", None))
 
 
 def tree_record_dict(tree: DraftTree) -> dict:

@@ -224,18 +224,42 @@ def test_the_auto_budget_shrinks_with_the_batch_and_falls_back_to_plain_steps(mo
 
     monkeypatch.setattr(budget, "DEFAULT_CPU_BATCH_ROUND_COST", {"float32": {
         1: costs({2: 1.2, 4: 1.3, 8: 1.7}, 0.2), 2: costs({2: 1.2, 4: 1.4, 8: 2.0}, 0.25),
-        4: costs({2: 1.4, 4: 1.9, 8: 2.8}, 0.3), 8: costs({2: 1.9, 4: 2.6, 8: 4.0}, 0.4),
+        4: costs({2: 1.3, 4: 1.9, 8: 2.8}, 0.3), 8: costs({2: 1.9, 4: 2.6, 8: 4.0}, 0.4),
         16: costs({2: 2.5, 4: 3.5, 8: 5.0}, 0.5)}})
     policy = budget.TreePolicy.from_config(drafter.config)
     chooser = budget.BatchBudget(target, drafter, policy)
     chosen = {b: chooser(b) for b in (1, 2, 3, 4, 8, 16)}
-    assert chosen == {1: 4, 2: 2, 3: 2, 4: 2, 8: 0, 16: 0}
+    assert chosen == {1: 4, 2: 2, 3: 2, 4: 2, 8: 0, 16: 0}  # 4 rows: 1.15x predicted; 8: 0.79x
+    monkeypatch.setattr(budget, "BATCH_TREE_MARGIN", 1.2)
+    assert budget.BatchBudget(target, drafter, policy)(4) == 0  # a tree must beat plain steps by the margin
     # the batch's drafter gate: the pass in plain steps of the batch, at the nearest budget
     assert chooser.gate_threshold(4, 2) == pytest.approx(0.3) and chooser.gate_threshold(16, 3) == pytest.approx(0.5)
-    # and decoding with it stays exact, also in the plain steps of a large batch
+    # and decoding with it stays exact; a batch where no tree pays is decoded by transformers' own loop
     ids, mask = padded_batch([3, 8, 5, 2, 6, 1, 4, 7, 9], seed=5)
     ref = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12, pad_token_id=0)
     out = target.generate(ids, attention_mask=mask, assistant_model=drafter, do_sample=False, max_new_tokens=12,
                           pad_token_id=0, return_dict_in_generate=True)
     assert torch.equal(out.sequences, ref)
-    assert out.tree_budget == 0 and all(r.tree_size == 0 for rounds in out.rounds for r in rounds)
+    assert out.tree_budget == 0 and out.rounds == [[]] * 9 and out.acceptance_length == [1.0] * 9
+
+
+def test_calibrating_batched_acceptance_counts_tokens_per_row_and_round():
+    target = make_target("llama", "sdpa")
+    ref_ids, ref_mask = padded_batch([5, 9, 3], seed=11, repeat_rows=(1,))
+    prompts = [{"input_ids": row[mask.bool()][None]} for row, mask in zip(ref_ids, ref_mask, strict=True)]
+    reference = target.generate(ref_ids, attention_mask=ref_mask, do_sample=False, max_new_tokens=16, pad_token_id=0)
+    oracle = batch_oracle(target, reference, ref_mask)
+    profile = budget.calibrate_batch_acceptance(target, oracle, prompts, budgets=(2, 4), batch=2, max_new_tokens=16,
+                                                progress=False)
+    assert set(profile) == {"2", "4"}
+    assert all(1.0 <= tau <= 5.0 for tau in profile.values())  # at most N accepted nodes and the bonus per round
+    assert profile["4"] > 1.5  # the oracle's deep paths are accepted up to the budget
+
+
+def test_batch_size_options_are_checked():
+    from hf_treespark.bench import batch_sizes_option
+
+    assert batch_sizes_option("1, 2,16") == [1, 2, 16]
+    for bad in ("", "0", "2,x", "-4"):
+        with pytest.raises(ValueError, match="--batch-size"):
+            batch_sizes_option(bad)
