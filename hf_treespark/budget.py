@@ -565,8 +565,9 @@ class BatchBudget:
     second, `tau(N) / cost_B(N)` (`cost_B(N)`: a round of `B` rows at budget `N`, drafter pass included, in plain
     steps of `B` rows), or 0 (plain decoding) when none beats a plain step by `BATCH_TREE_MARGIN`. A verify
     forward of `B x (N + 1)` tokens costs more the larger `B` (on a CPU a plain step of many rows is already
-    compute-bound), so the budget shrinks as the batch grows and grows again as rows finish. `cost_B`: this device's latency measured for `B` rows
-    (`calibrate_latency(batch=B)`, `treespark calibrate --batch-sizes`), rounded up to a measured size
+    compute-bound), so the budget shrinks as the batch grows and grows again as rows finish. `cost_B`: this
+    device's latency measured for `B` rows (`calibrate_latency(batch=B)`, `treespark calibrate --batch-sizes`),
+    rounded up to a measured size
     (`measured_batch`), else `default_batch_cost`. `tau(N)`: the drafter's `batch_acceptance_profile` (rounds of a
     batch, lookup and datastore branches within the `N` nodes; `calibrate_batch_acceptance`), else its
     `acceptance_profile`, else (`needs_scores`) the first drafter pool's scores, averaged over rows.
