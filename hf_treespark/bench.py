@@ -587,7 +587,7 @@ def run_batch_benchmark(target, tokenizer, drafter, suites=("mtbench", "humaneva
             rows.append({"suite": suite, "batch_size": size, "prompts": count, "new_tokens": tokens,
                          "plain_tps": tokens / seconds["plain"], "treespark_tps": tokens / seconds["treespark"],
                          "speedup": seconds["plain"] / seconds["treespark"],
-                         "acceptance_length": committed / max(1, rounds),
+                         "acceptance_length": committed / rounds if rounds else None,  # None: plain decoding
                          "budgets": sorted(set(budgets))})
     report = {"rows": rows, "config": {"dtype": dtype_name(target.dtype), "max_new_tokens": max_new_tokens,
                                        "num_prompts": num_prompts, "budget": budget,
@@ -612,7 +612,8 @@ def batch_table(report: dict) -> str:
     for row in report["rows"]:
         lines.append(f"| {SUITE_LABELS.get(row['suite'], row['suite'])} | {row['batch_size']} | {row['prompts']} | "
                      f"{row['plain_tps']:.1f} | {row['treespark_tps']:.1f} | {row['speedup']:.2f}x | "
-                     f"{row['acceptance_length']:.2f} | {', '.join(str(b) for b in row['budgets'])} |")
+                     f"{_fmt(row['acceptance_length'])} | "
+                     f"{', '.join(str(b) if b else '0 (plain)' for b in row['budgets'])} |")
     return "\n".join(lines)
 
 
