@@ -9,7 +9,7 @@ import torch
 from conftest import make_drafter, make_target
 from transformers import GenerationConfig, pipeline
 
-from hf_treespark import assets, generation, integration
+from hf_treespark import assets, integration
 
 PROMPT = "List the planets of the solar system, one per line."
 
@@ -34,22 +34,21 @@ def test_pipeline_built_with_the_drafter_and_called_with_it_equal_plain_greedy(r
 
 
 @pytest.mark.slow
-def test_a_batched_pipeline_with_the_drafter_equals_the_plain_batched_pipeline(real, monkeypatch):
+def test_a_batched_pipeline_with_the_drafter_equals_the_plain_batched_pipeline(real):
     target, tokenizer, drafter = real
     tokenizer = type(tokenizer).from_pretrained(tokenizer.name_or_path, padding_side="left")
     prompts = [PROMPT, "What is 2 + 2?", "Write a haiku about the sea.", "Name three colours."]
-    batches = []
-
-    def recording(model, input_ids, *args, **kwargs):
-        batches.append(input_ids.shape[0])
-        return generation.treespark_decoding(model, input_ids, *args, **kwargs)
-
-    monkeypatch.setattr(integration, "treespark_decoding", recording)
     args = {"max_new_tokens": 16, "do_sample": False, "return_full_text": False, "batch_size": 4}
     reference = pipeline("text-generation", model=target, tokenizer=tokenizer)(prompts, **args)
     built = pipeline("text-generation", model=target, tokenizer=tokenizer, assistant_model=drafter)
-    assert built(prompts, **args) == reference
-    assert batches == [4]  # the four rows went to TreeSpark decoding as one batch
+    rows = []
+    handle = target.register_forward_pre_hook(lambda module, a, kw: rows.append(kw["input_ids"].shape[0]),
+                                              with_kwargs=True)
+    try:
+        assert built(prompts, **args) == reference
+    finally:
+        handle.remove()
+    assert rows[0] == 4  # the four prompts were decoded as one batch
 
 
 @pytest.mark.slow
