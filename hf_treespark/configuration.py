@@ -57,6 +57,12 @@ class TreeSparkConfig(PretrainedConfig):
             (`ctx[a - 1]`, the newest committed position) into every block slot's input through a
             zero-initialised `anchor_proj`, besides the KV injection; False keeps the SPEC's
             KV-only conditioning (and every checkpoint saved without the field).
+        depth1_head: width of the depth-1 head's MLP, 0 = none. The head is a context-free pathway into the
+            first depth (the block's anchor slot): `h_1 <- h_1 + out(x + mlp(x))`,
+            `x = [norm(fc_1(f_{a-1})) ; e(x_a) ; h_1]`, from the raw target features of the position before the
+            anchor, the anchor's embedding and the slot's own state; `out` starts at zero, so a drafter grown
+            with it starts as it was. It is trained cheaply apart from the block (every position an anchor,
+            no block, `hf_treespark.training.depth1`).
         normalize_features: standardise each target feature dimension before `fc`,
             `(f - feature_mean) * feature_scale`, with per-dimension statistics of the training data
             saved as buffers (`TreeSparkDrafter.set_feature_statistics`). A small target's hidden
@@ -96,6 +102,7 @@ class TreeSparkConfig(PretrainedConfig):
         datastore_grow_tokens: int = 0,
         draft_vocab_size: int | None = None,
         anchor_features: bool = False,
+        depth1_head: int = 0,
         normalize_features: bool = False,
         initializer_range: float = 0.02,
         **kwargs,
@@ -131,6 +138,7 @@ class TreeSparkConfig(PretrainedConfig):
         self.datastore_grow_tokens = datastore_grow_tokens
         self.draft_vocab_size = draft_vocab_size
         self.anchor_features = bool(anchor_features)
+        self.depth1_head = depth1_head
         self.normalize_features = bool(normalize_features)
         self.initializer_range = initializer_range
         kwargs.pop("hidden_size", None)  # always equal to target_hidden_size
@@ -171,6 +179,8 @@ class TreeSparkConfig(PretrainedConfig):
         need(isinstance(self.tree_lookup, int) and not isinstance(self.tree_lookup, bool) and self.tree_lookup >= 0,
              "tree_lookup", "must be an integer >= 0 (tokens per lookup branch; 0 = off)")
         need(isinstance(self.tree_datastore, bool), "tree_datastore", "must be true or false")
+        need(isinstance(self.depth1_head, int) and not isinstance(self.depth1_head, bool) and self.depth1_head >= 0,
+             "depth1_head", "must be an integer >= 0 (the width of the depth-1 head's MLP; 0 = none)")
         need(isinstance(self.datastore_grow_tokens, int) and not isinstance(self.datastore_grow_tokens, bool)
              and 0 <= self.datastore_grow_tokens <= 1 << 26, "datastore_grow_tokens",
              "must be an integer in [0, 67108864] (tokens of this process's outputs kept; 0 = none)")

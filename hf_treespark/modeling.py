@@ -11,6 +11,10 @@ model at every committed position (SPEC section 1):
     p_k(.|y)  = softmax(U_k + W2(W1[y]))              Markov head, rank r, W2: r -> |S|
     c_k(y)    = sigmoid(w . [h_k ; W1[y]] + b)        confidence head
 
+With `config.depth1_head` the first depth also reads the target features of the position before the anchor
+directly, without attention (`Depth1Head`): `h_1 <- h_1 + out(x + mlp(x))`, `x = [norm(fc_1(f_{a-1})) ; e(x0) ;
+h_1]`, before `U_1` and `c_1`.
+
 `S` is the draft vocabulary: the frequency-ranked target ids in the buffer `draft_vocab_ids`
 (`config.draft_vocab_size`), or the whole target vocabulary. Drafted tokens are indices into `S`
 until `draft_vocab_ids` maps them back to target ids; `W1` embeds any target id (a parent can be
@@ -101,6 +105,7 @@ class DrafterContextCache:
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
         self.last_context: torch.Tensor | None = None  # `[b, 1, H]` projected context of the newest position
+        self.last_features: torch.Tensor | None = None  # `[b, 1, F]` raw target features of the newest position
         self.valid: torch.Tensor | None = None
 
     def select(self, index: torch.Tensor, valid: torch.Tensor) -> None:
@@ -117,7 +122,7 @@ class DrafterContextCache:
         for i, (keys, values) in enumerate(zip(self.keys, self.values, strict=True)):
             if keys is not None:
                 self.keys[i], self.values[i] = keys[rows], values[rows]
-        for name in ("last_context", "valid"):
+        for name in ("last_context", "last_features", "valid"):
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name)[rows])
 
@@ -281,6 +286,27 @@ class ConfidenceHead(nn.Module):
         return self.proj(torch.cat([hidden, parent_embedding.to(hidden.dtype)], dim=-1)).squeeze(-1)
 
 
+class Depth1Head(nn.Module):
+    """A context-free pathway into the first depth: `h_1 + out(x + mlp(x))`, `x = [norm(fc(f)) ; e ; h_1]`, from
+    the raw target features `f` of the position before the anchor, the anchor's embedding `e` and the anchor
+    slot's state `h_1`. `out` is zero-initialised: a drafter grown with the head starts as it was."""
+
+    def __init__(self, config: TreeSparkConfig):
+        super().__init__()
+        hidden = config.hidden_size
+        self.fc = nn.Linear(config.num_target_features * config.target_hidden_size, hidden, bias=False)
+        self.norm = TreeSparkRMSNorm(hidden, config.rms_norm_eps)
+        self.up = nn.Linear(3 * hidden, config.depth1_head)
+        self.down = nn.Linear(config.depth1_head, 3 * hidden)
+        self.out = nn.Linear(3 * hidden, hidden)
+        self.out.zero_init = True
+
+    def forward(self, features: torch.Tensor, embedding: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([self.norm(self.fc(features)), embedding, hidden], dim=-1)
+        x = x + self.down(F.silu(self.up(x)))
+        return hidden + self.out(x)
+
+
 @dataclass
 class TreeSparkDrafterOutput(ModelOutput):
     """
@@ -351,6 +377,7 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
         if config.anchor_features:  # zero-initialised: starts as the KV-only drafter
             self.anchor_proj = nn.Linear(hidden, hidden, bias=False)
             self.anchor_proj.zero_init = True
+        self.depth1_head = Depth1Head(config) if config.depth1_head else None
         self.mask_embedding = nn.Parameter(torch.zeros(hidden)) if config.mask_token_id is None else None
         self.datastore: Datastore | None = None  # the target's earlier outputs (`datastore.py`), saved beside it
         self.__dict__["_target_modules"] = None  # (embed_tokens, lm_head) of the bound target; not registered
@@ -495,11 +522,14 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
     def project_context(self, target_features: torch.Tensor) -> torch.Tensor:
         """`ctx = hidden_norm(fc(features))`: `[b, s, n_layers * d_target] -> [b, s, H]` (features standardised
         first with `config.normalize_features`)."""
+        return self.hidden_norm(self.fc(self._standardised(target_features)))
+
+    def _standardised(self, target_features: torch.Tensor) -> torch.Tensor:
         dtype = self.fc.weight.dtype
         features = target_features.to(dtype)
         if self.feature_mean is not None:
             features = (features - self.feature_mean.to(dtype)) * self.feature_scale.to(dtype)
-        return self.hidden_norm(self.fc(features))
+        return features
 
     @torch.no_grad()
     def set_feature_statistics(self, features: torch.Tensor, floor: float = 0.1) -> None:
@@ -614,7 +644,7 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
             context_rope = self.rotary_emb(context_positions, dtype)
 
         if self.anchor_proj is not None:
-            block = block + self._anchor_context(context, anchor_positions, context_cache, bsz)
+            block = block + self._anchor_context(context, anchor_positions, context_cache, bsz, context_valid)
 
         attention_mask = None
         if context_cache is None:
@@ -627,6 +657,9 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
         for layer in self.layers:
             block = layer(block, block_rope, context, context_rope, attention_mask, context_cache)
         hidden = self.norm(block)
+        if self.depth1_head is not None:
+            hidden = self._with_depth1_head(hidden, anchor_ids, anchor_positions, target_features, context_cache,
+                                            context_valid)
         logits = None
         if return_logits:
             slots = bsz if logit_slots is None else min(logit_slots, bsz)
@@ -637,7 +670,8 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
             logits = self.depth_logits(hidden_slots)
         return TreeSparkDrafterOutput(hidden_states=hidden, depth_logits=logits)
 
-    def _anchor_context(self, context, anchor_positions, context_cache, bsz: int) -> torch.Tensor:
+    def _anchor_context(self, context, anchor_positions, context_cache, bsz: int,
+                        context_valid: torch.Tensor | None = None) -> torch.Tensor:
         """`anchor_proj(ctx[a - 1])` for each anchor `a`, repeated over its `B` slots: `[b, A * B, H]`.
 
         With a cache, `ctx[a - 1]` is the newest context position (the last row of the new context, or the
@@ -647,7 +681,10 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
         b, num_anchors = anchor_positions.shape
         hidden = self.config.hidden_size
         if context_cache is not None and context is not None:
-            context_cache.last_context = context[:, -1:]
+            newest = context[:, -1:]
+            if context_valid is not None and context_cache.last_context is not None:
+                newest = torch.where(context_valid[:, -1:, None], newest, context_cache.last_context)
+            context_cache.last_context = newest
         newest = context_cache.last_context if context_cache is not None else context
         if newest is None:
             return torch.zeros(b, num_anchors * bsz, hidden, dtype=self.fc.weight.dtype, device=anchor_positions.device)
@@ -657,6 +694,37 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
         rows = context.gather(1, before[:, :, None].expand(-1, -1, hidden))  # [b, A, H]
         rows = rows * (anchor_positions > 0)[:, :, None].to(rows.dtype)
         return self.anchor_proj(rows).repeat_interleave(bsz, dim=1)
+
+    def _with_depth1_head(self, hidden, anchor_ids, anchor_positions, target_features, context_cache,
+                          context_valid) -> torch.Tensor:
+        """`hidden` `[b, A * B, H]` with each block's anchor slot passed through `depth1_head`.
+
+        The features of the position before anchor `a`: without a cache (training), row `a - 1` of
+        `target_features` (zeros for an anchor at position 0); with one, the newest new row (the newest valid one
+        per row with `context_valid`), kept in the cache for a pass that brings no new context.
+        """
+        b, num_anchors = anchor_ids.shape
+        width = self.depth1_head.fc.in_features
+        have_new = target_features is not None and target_features.shape[1] > 0
+        if context_cache is not None:
+            if have_new:
+                newest = target_features[:, -1:]
+                if context_valid is not None and context_cache.last_features is not None:
+                    newest = torch.where(context_valid[:, -1:, None], newest, context_cache.last_features)
+                context_cache.last_features = newest
+            before = context_cache.last_features
+            if before is None:
+                before = hidden.new_zeros(b, 1, width)
+        elif have_new:
+            index = (anchor_positions - 1).clamp(min=0)
+            before = target_features.gather(1, index[:, :, None].expand(-1, -1, width))
+            before = before * (anchor_positions > 0)[:, :, None].to(before.dtype)
+        else:
+            before = hidden.new_zeros(b, num_anchors, width)
+        embed, _, _ = self._target()
+        blocks = hidden.view(b, num_anchors, self.config.block_size, -1)
+        first = self.depth1_head(self._standardised(before), embed(anchor_ids).to(hidden.dtype), blocks[:, :, 0])
+        return torch.cat([first[:, :, None], blocks[:, :, 1:]], dim=2).view_as(hidden)
 
     def _ragged_mask(self, context, context_valid, context_cache: DrafterContextCache, bsz: int) -> torch.Tensor:
         """A batch of rows with different context lengths: `context_cache.valid` extended by the new context's

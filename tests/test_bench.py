@@ -19,7 +19,7 @@ def test_smoke_run_covers_every_suite_and_method_and_checks_exactness(tmp_path):
     shipped = str(assets.DEFAULT_DRAFTER_DIR)
     out = tmp_path / "bench"
     rc = bench.main(["--smoke", "--dtype", "fp32", "--output-dir", str(out), "--drafter", f"dspark={shipped}",
-                     "--drafter", f"dspark_tree={shipped}"])
+                     "--drafter", f"dspark_tree={shipped}", "--drafter", f"baseline={shipped}"])
     assert rc == 0
     report = json.loads((out / "results.json").read_text())
     assert report["config"]["dtype"] == "float32" and report["config"]["tree_budget"] == 8

@@ -17,15 +17,19 @@ def pair():
     return target, make_drafter(target)
 
 
-@pytest.fixture(params=[False, True], ids=["kv-only", "anchor-features"])
+@pytest.fixture(params=["kv-only", "anchor-features", "depth1-head"])
 def drafting_pair(request):
-    """A drafter with the SPEC's KV-only conditioning, and one that also feeds `ctx[a - 1]` into its block
-    (`anchor_features`, its zero-initialised projection made non-zero so that it matters)."""
+    """A drafter with the SPEC's KV-only conditioning, one that also feeds `ctx[a - 1]` into its block
+    (`anchor_features`), and one with a depth-1 head (`depth1_head`); their zero-initialised projections made
+    non-zero so that they matter."""
     target = make_target("qwen3")
-    drafter = make_drafter(target, anchor_features=request.param)
-    if request.param:
-        with torch.no_grad():
+    option = {"kv-only": {}, "anchor-features": {"anchor_features": True}, "depth1-head": {"depth1_head": 24}}
+    drafter = make_drafter(target, **option[request.param])
+    with torch.no_grad():
+        if drafter.anchor_proj is not None:
             drafter.anchor_proj.weight.normal_(0.0, 0.5)
+        if drafter.depth1_head is not None:
+            drafter.depth1_head.out.weight.normal_(0.0, 0.5)
     return target, drafter
 
 
@@ -43,6 +47,60 @@ def test_anchor_features_start_at_zero_and_change_the_draft():
         drafter.anchor_proj.weight.normal_(0.0, 0.5)
         after = drafter(**kwargs).depth_logits
     assert not torch.allclose(before, after)
+
+
+def test_a_depth1_head_starts_as_the_drafter_without_it_and_changes_only_the_first_depth():
+    target = make_target("qwen3")
+    plain = make_drafter(target).bind_target(target)
+    grown = make_drafter(target, depth1_head=24)
+    assert plain.depth1_head is None and torch.count_nonzero(grown.depth1_head.out.weight) == 0
+    missing, _ = grown.load_state_dict(plain.state_dict(), strict=False)
+    assert missing and all(name.startswith("depth1_head.") for name in missing)
+    grown.bind_target(target)
+    ids = torch.randint(4, 100, (1, 9))
+    feats, _ = target_features(target, plain.config.target_layer_ids, ids, torch.ones_like(ids))
+    kwargs = dict(anchor_ids=ids[:, 8:9], anchor_positions=torch.tensor([[8]]), target_features=feats[:, :8],
+                  context_positions=torch.arange(8)[None])
+    with torch.no_grad():
+        assert torch.equal(plain(**kwargs).depth_logits, grown(**kwargs).depth_logits)
+        grown.depth1_head.out.weight.normal_(0.0, 0.5)
+        after = grown(**kwargs).depth_logits
+    before = plain(**kwargs).depth_logits.detach()
+    assert not torch.allclose(after[0, 0], before[0, 0])  # the anchor slot: depth 1
+    assert torch.equal(after[0, 1:], before[0, 1:])  # the other depths are untouched
+
+
+def test_a_ragged_batch_pass_drafts_each_row_as_it_alone_would(drafting_pair):
+    """Rows with different context lengths, left-padded (`context_valid`), one of them with no new context in the
+    second pass (the drafter keeps its newest features): each row's draft equals that row's own cached draft."""
+    target, drafter = drafting_pair
+    drafter.bind_target(target)
+    ids = torch.randint(4, 100, (2, 12))
+    feats, _ = target_features(target, drafter.config.target_layer_ids, ids, torch.ones_like(ids))
+    # (context positions of each pass, anchor position) per row: row 0 gets nothing new in pass 2
+    passes = [([range(0, 7), range(0, 4)], [7, 4]), ([range(7, 7), range(4, 9)], [7, 9])]
+    cache, alone = drafter.new_context_cache(), [drafter.new_context_cache(), drafter.new_context_cache()]
+    with torch.no_grad():
+        for spans, anchors in passes:
+            width = max(len(span) for span in spans)
+            new = feats.new_zeros(2, width, feats.shape[-1])
+            valid = torch.zeros(2, width, dtype=torch.bool)
+            positions = torch.zeros(2, width, dtype=torch.long)
+            for row, span in enumerate(spans):
+                if len(span):
+                    new[row, width - len(span):] = feats[row, list(span)]
+                    valid[row, width - len(span):] = True
+                    positions[row, width - len(span):] = torch.tensor(list(span))
+            anchor = torch.tensor(anchors)[:, None]
+            together = drafter(anchor_ids=ids.gather(1, anchor), anchor_positions=anchor, target_features=new,
+                               context_positions=positions, context_cache=cache, context_valid=valid).depth_logits
+            for row, span in enumerate(spans):
+                one = drafter(anchor_ids=ids[row:row + 1, anchors[row]:anchors[row] + 1],
+                              anchor_positions=anchor[row:row + 1],
+                              target_features=feats[row:row + 1, list(span)] if len(span) else None,
+                              context_positions=torch.tensor([list(span)]) if len(span) else None,
+                              context_cache=alone[row]).depth_logits
+                assert torch.allclose(together[row], one[0], atol=1e-4), (anchors, row)
 
 
 def test_markov_head_formula_and_shapes(pair):

@@ -427,6 +427,26 @@ def test_regeneration_says_why_a_prompt_got_no_reference(tiny_target, tokenizer,
     assert "[regenerate] 2 of 2 prompts answered" in capsys.readouterr().out
 
 
+def test_the_sharegpt_tail_lies_beyond_everything_evaluation_reads():
+    """Bench, calibration and the development set read held-out first turns; the tail (training data again)
+    starts past the last of them with a margin, and the held-out split stops where the tail starts."""
+    from hf_treespark.training.evaluate import DEV_PROMPTS
+
+    heldout = assets.sharegpt_first_turns("heldout")
+    evaluated = max(DEV_PROMPTS.stop, 400, 4 * 20)  # dev 400-432, calibration 200-400, bench's pool of 80
+    assert heldout[evaluated - 1][1] < assets.SHAREGPT_TAIL_POSITION - 1000
+    assert max(position for _, position, _ in heldout) < assets.SHAREGPT_TAIL_POSITION
+    tail = sharegpt_chat_prompts("tail", limit=50)
+    assert len(tail) == 50 and all(int(p.id.rsplit("@", 1)[1]) >= assets.SHAREGPT_TAIL_POSITION for p in tail)
+    turns = sharegpt_later_turn_prompts(limit=20, split="tail")
+    assert len(turns) == 20 and all(p.source == "sharegpt_tail_turns" for p in turns)
+    assert all(int(p.id.rsplit("#", 1)[0].rsplit("@", 1)[1]) >= assets.SHAREGPT_TAIL_POSITION for p in turns)
+    assert [e.kind for e in parse_mixture_spec("sharegpt_tail:1,sharegpt_tail_turns:1")] == [
+        "sharegpt_tail", "sharegpt_tail_turns"]
+    with pytest.raises(ValueError, match="split must be"):
+        sharegpt_chat_prompts("test")
+
+
 def test_sharegpt_later_turns_carry_their_history_and_stay_below_the_held_out_boundary():
     prompts = sharegpt_later_turn_prompts(limit=300)
     assert len(prompts) == 300 and len({p.id for p in prompts}) == 300
@@ -512,7 +532,7 @@ def test_sharegpt_later_turns_skip_records_that_do_not_alternate_or_name_an_unkn
         (assets.SHAREGPT_HELDOUT_POSITION, {"id": "held_out", "conversations": [
             turn("human", "first question here"), turn("gpt", "an answer"), turn("human", "a follow-up question")]}),
     ]
-    monkeypatch.setattr(assets, "iter_sharegpt", lambda: iter(records))
+    monkeypatch.setattr(assets, "iter_sharegpt", lambda start=0: iter(records))
     prompts = sharegpt_later_turn_prompts()
     assert [p.id for p in prompts] == ["ok@0#2"]
     assert [m["content"] for m in prompts[0].messages] == ["first question here", "an answer", "a follow-up question"]

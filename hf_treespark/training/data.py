@@ -115,16 +115,17 @@ def _record_to_messages(record: dict, field: str | None = None) -> list[dict[str
 def sharegpt_chat_prompts(split: str = "train", limit: int | None = None, min_chars: int = 16) -> list[Prompt]:
     """ShareGPT V3's first human turns (`assets.sharegpt_first_turns`) as chat `Prompt`s, as in
     `shared/data/README.md`. ShareGPT ids repeat (123 do in the 17,671 complete records), so a prompt's id is
-    `"{record id}@{position}"`. `split="train"`: file positions < 12,000; `"heldout"`: the rest (evaluation).
+    `"{record id}@{position}"`. `split="train"`: file positions < 12,000; `"heldout"`: 12,000 to 13,999
+    (evaluation); `"tail"`: 14,000 on (training data beyond the held-out band, `assets.SHAREGPT_TAIL_POSITION`).
     """
     return [Prompt(id=f"{rid}@{position}", messages=[{"role": "user", "content": text}], source="sharegpt")
             for rid, position, text in sharegpt_first_turns(split, limit, min_chars)]
 
 
-def sharegpt_later_turn_prompts(limit: int | None = None, min_chars: int = 16) -> list[Prompt]:
+def sharegpt_later_turn_prompts(limit: int | None = None, min_chars: int = 16, split: str = "train") -> list[Prompt]:
     """ShareGPT V3's second and later human turns, each with the conversation before it, from the training
-    records only (file positions < 12,000; the held-out records are never read): more training prompts than
-    the first turns alone, with ShareGPT's own assistant replies as the history.
+    records only (file positions < 12,000, or from 14,000 on with `split="tail"`; the held-out records are never
+    read): more training prompts than the first turns alone, with ShareGPT's own assistant replies as the history.
 
     A prompt is the conversation up to and including one human turn of at least `min_chars` characters; its
     id is `"{record id}@{position}#{turn index}"` (the index in the record's `conversations`). Records whose
@@ -133,15 +134,19 @@ def sharegpt_later_turn_prompts(limit: int | None = None, min_chars: int = 16) -
     """
     from .. import assets
 
+    if split not in ("train", "tail"):
+        raise ValueError(f"split must be 'train' or 'tail', got {split!r}")
+    start = assets.SHAREGPT_TAIL_POSITION if split == "tail" else 0
+    source = "sharegpt_tail_turns" if split == "tail" else "sharegpt_turns"
     prompts: list[Prompt] = []
-    for position, record in assets.iter_sharegpt():
-        if position >= assets.SHAREGPT_HELDOUT_POSITION:
+    for position, record in assets.iter_sharegpt(start):
+        if split == "train" and position >= assets.SHAREGPT_HELDOUT_POSITION:
             break
         messages = _alternating_messages(record.get("conversations") or [])
         for index in range(2, len(messages or []), 2):
             if len(messages[index]["content"]) >= min_chars:
                 prompts.append(Prompt(id=f"{record.get('id')}@{position}#{index}", messages=messages[:index + 1],
-                                      source="sharegpt_turns"))
+                                      source=source))
                 if limit is not None and len(prompts) >= limit:
                     return prompts
     return prompts
@@ -309,7 +314,8 @@ def mix_prompts(sources: list[tuple[list[Prompt], float]], total: int, seed: int
 
 @dataclass
 class MixtureEntry:
-    """One `SOURCE:WEIGHT` item of a mixture spec. `kind` is "sharegpt", "sharegpt_turns", "hf" or "jsonl"."""
+    """One `SOURCE:WEIGHT` item of a mixture spec. `kind` is "sharegpt", "sharegpt_turns", "sharegpt_tail",
+    "sharegpt_tail_turns", "hf" or "jsonl"."""
 
     kind: str
     name: str
@@ -320,6 +326,10 @@ class MixtureEntry:
             return sharegpt_chat_prompts("train", limit=limit)
         if self.kind == "sharegpt_turns":
             return sharegpt_later_turn_prompts(limit=limit)
+        if self.kind == "sharegpt_tail":
+            return sharegpt_chat_prompts("tail", limit=limit)
+        if self.kind == "sharegpt_tail_turns":
+            return sharegpt_later_turn_prompts(limit=limit, split="tail")
         if self.kind == "hf":
             return hf_dataset_prompts(self.name, limit=limit)
         return jsonl_prompts(self.name, limit=limit)
@@ -329,7 +339,8 @@ def parse_mixture_spec(spec: str) -> list[MixtureEntry]:
     """Parse `"sharegpt:0.6,hf:org/name:0.2,path/to/code.jsonl:0.2"` without loading anything.
 
     `sharegpt` is the ShareGPT train split's first turns, `sharegpt_turns` its later turns with their history
-    (`sharegpt_later_turn_prompts`), `hf:<name>` a `datasets` dataset, anything else a JSONL path (which
+    (`sharegpt_later_turn_prompts`), `sharegpt_tail` / `sharegpt_tail_turns` the same from the records beyond the
+    held-out band (positions from 14,000 on), `hf:<name>` a `datasets` dataset, anything else a JSONL path (which
     must exist). Every item needs a weight (`:W`, finite, >= 0); at least one weight must be positive.
     """
     entries: list[MixtureEntry] = []
@@ -345,7 +356,7 @@ def parse_mixture_spec(spec: str) -> list[MixtureEntry]:
             raise ValueError(f"mixture item {item!r}: weight {weight_text!r} is not a number") from None
         if not math.isfinite(weight) or weight < 0:
             raise ValueError(f"mixture item {item!r}: weight must be finite and >= 0, got {weight_text!r}")
-        if source in ("sharegpt", "sharegpt_turns"):
+        if source in ("sharegpt", "sharegpt_turns", "sharegpt_tail", "sharegpt_tail_turns"):
             entries.append(MixtureEntry(source, source, weight))
         elif source.startswith("hf:"):
             if not source[3:]:
