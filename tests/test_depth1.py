@@ -107,3 +107,32 @@ def test_a_drafter_without_a_head_is_grown_to_draft_exactly_as_before():
         assert torch.equal(plain(**kwargs).depth_logits, grown(**kwargs).depth_logits)
     with pytest.raises(ValueError, match="no depth-1 head"):
         Depth1Trainer(plain, "unused")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_drafter_with_a_trained_head_round_trips_and_decodes_exactly(arch, tmp_path):
+    """A head that matters (non-zero output) survives save/load, and greedy decoding with it, batch 1 and a ragged
+    batch, is plain greedy decoding."""
+    from hf_treespark import TreeSparkDrafter
+
+    target = make_target(arch)
+    drafter = grow_depth1_head(make_drafter(target), 16)
+    with torch.no_grad():
+        drafter.depth1_head.out.weight.normal_(0.0, 0.5)
+    drafter.save_pretrained(tmp_path / "d")
+    loaded = TreeSparkDrafter.from_pretrained(tmp_path / "d").eval()
+    assert loaded.config.depth1_head == 16
+    for name, value in drafter.state_dict().items():
+        assert torch.equal(value, loaded.state_dict()[name]), name
+    ids = torch.randint(4, 128, (1, 9))
+    ref = target.generate(ids, do_sample=False, max_new_tokens=20, pad_token_id=0)
+    assert torch.equal(target.generate(ids, assistant_model=loaded, do_sample=False, max_new_tokens=20,
+                                       pad_token_id=0), ref)
+    batch = torch.zeros(3, 9, dtype=torch.long)
+    mask = torch.zeros_like(batch)
+    for row, length in enumerate((9, 4, 1)):
+        batch[row, 9 - length:], mask[row, 9 - length:] = torch.randint(4, 128, (length,)), 1
+    ref = target.generate(batch, attention_mask=mask, do_sample=False, max_new_tokens=16, pad_token_id=0)
+    out = target.generate(batch, attention_mask=mask, assistant_model=loaded, do_sample=False, max_new_tokens=16,
+                          pad_token_id=0)
+    assert torch.equal(out, ref)

@@ -318,9 +318,11 @@ def test_the_shipped_drafters_card_is_the_card_writers_with_its_tables():
     drafter = TreeSparkDrafter.from_pretrained(DEFAULT_DRAFTER_DIR)
     measured = shipped[shipped.index("## Measured acceptance") + len("## Measured acceptance"):]
     table = measured[: measured.index("Mean tokens committed per round")]  # the benchmark's tables
-    assert "| MT-Bench | TreeSpark |" in table
+    assert "| MT-Bench | TreeSpark + lookup + datastore |" in table
     assert shipped == model_card(drafter, acceptance_table=table)
-    assert "apply_chat_template(" in shipped and "| 16 | 1.96 |" in shipped
+    profile_row = f"| 16 | {drafter.config.acceptance_profile['16']:.2f} |"  # the calibrated acceptance profile
+    assert "apply_chat_template(" in shipped and profile_row in shipped
+    assert "| depth-1 head | MLP width 2048" in shipped
 
 
 def test_push_keeps_the_card_of_the_drafters_directory(tmp_path, monkeypatch, target):
