@@ -681,10 +681,7 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
         b, num_anchors = anchor_positions.shape
         hidden = self.config.hidden_size
         if context_cache is not None and context is not None:
-            newest = context[:, -1:]
-            if context_valid is not None and context_cache.last_context is not None:
-                newest = torch.where(context_valid[:, -1:, None], newest, context_cache.last_context)
-            context_cache.last_context = newest
+            context_cache.last_context = _newest_rows(context, context_valid, context_cache.last_context)
         newest = context_cache.last_context if context_cache is not None else context
         if newest is None:
             return torch.zeros(b, num_anchors * bsz, hidden, dtype=self.fc.weight.dtype, device=anchor_positions.device)
@@ -708,10 +705,8 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
         have_new = target_features is not None and target_features.shape[1] > 0
         if context_cache is not None:
             if have_new:
-                newest = target_features[:, -1:]
-                if context_valid is not None and context_cache.last_features is not None:
-                    newest = torch.where(context_valid[:, -1:, None], newest, context_cache.last_features)
-                context_cache.last_features = newest
+                context_cache.last_features = _newest_rows(target_features, context_valid,
+                                                           context_cache.last_features)
             before = context_cache.last_features
             if before is None:
                 before = hidden.new_zeros(b, 1, width)
@@ -829,6 +824,15 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
         model.datastore = _load_datastore(pretrained_model_name_or_path, kwargs, model.config)
         _align_tensors(model)
         return (model, info) if want_info else model
+
+
+def _newest_rows(new: torch.Tensor, valid: torch.Tensor | None, previous: torch.Tensor | None) -> torch.Tensor:
+    """The newest row of `new` (`[b, s, d] -> [b, 1, d]`, left-padded); a row whose newest column is padding
+    (`valid`, no new context for it) keeps `previous`."""
+    newest = new[:, -1:]
+    if valid is not None and previous is not None:
+        newest = torch.where(valid[:, -1:, None], newest, previous)
+    return newest
 
 
 def _token_id_tensor(token_ids) -> torch.Tensor:

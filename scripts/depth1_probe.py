@@ -34,31 +34,20 @@ from hf_treespark.training.depth1 import PositionShards, block_signature
 
 
 class Head(nn.Module):
-    """`[fc(features) ; emb(x_t) (; h_1)] -> residual MLP -> H`; with `use_hidden` the output is added to the
-    drafter's `h_1` (output projection zero-initialised)."""
+    """The context-free head: `[norm(fc(features)) ; emb(x_t)] -> residual MLP -> H` (the drafter's `Depth1Head`
+    without the anchor slot's state)."""
 
-    def __init__(self, feature_width: int, hidden: int, use_hidden: bool, width: int = 2048):
+    def __init__(self, feature_width: int, hidden: int, width: int = 2048):
         super().__init__()
-        self.use_hidden = use_hidden
         self.fc = nn.Linear(feature_width, hidden, bias=False)
         self.norm_in = nn.RMSNorm(hidden)
-        inputs = hidden * (3 if use_hidden else 2)
-        self.mlp = nn.Sequential(nn.Linear(inputs, width), nn.SiLU(), nn.Linear(width, inputs))
-        self.out = nn.Linear(inputs, hidden)
+        self.mlp = nn.Sequential(nn.Linear(2 * hidden, width), nn.SiLU(), nn.Linear(width, 2 * hidden))
+        self.out = nn.Linear(2 * hidden, hidden)
         self.norm_out = nn.RMSNorm(hidden)
-        if use_hidden:
-            nn.init.zeros_(self.out.weight)
-            nn.init.zeros_(self.out.bias)
 
-    def forward(self, features, embedding, hidden):
-        parts = [self.norm_in(self.fc(features)), embedding]
-        if self.use_hidden:
-            parts.append(hidden)
-        x = torch.cat(parts, -1)
-        x = x + self.mlp(x)
-        if self.use_hidden:
-            return hidden + self.out(x)
-        return self.norm_out(self.out(x))
+    def forward(self, features, embedding, hidden=None):
+        x = torch.cat([self.norm_in(self.fc(features)), embedding], -1)
+        return self.norm_out(self.out(x + self.mlp(x)))
 
 
 def train_head(head, data, dev_sets, drafter, embed, seconds: float, batch: int = 256, lr: float = 1e-3):
@@ -128,7 +117,7 @@ def main() -> None:
         results["drafter"][name] = round(100 * right / len(d["label"]), 1)
     print("drafter alone, depth-1 top-1:", results["drafter"], flush=True)
     print(f"context-free head on {len(train['label']):,} positions:", flush=True)
-    head = Head(train["features"].shape[1], drafter.config.hidden_size, use_hidden=False)
+    head = Head(train["features"].shape[1], drafter.config.hidden_size)
     results["context_free"] = train_head(head, train, {"dev": dev, "train_first_5000": first}, drafter, embed,
                                          args.seconds)
     (run / "context_free_probe.json").write_text(json.dumps(results, indent=1))
