@@ -16,11 +16,27 @@ import shutil
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from hf_treespark.assets import DEFAULT_DRAFTER_DIR
+from hf_treespark.datastore import DATASTORE_FILE
 from hf_treespark.hub import save_drafter
 from hf_treespark.modeling import TreeSparkDrafter
+
+
+def keep_unchanged_datastore(shipped: Path, staged: Path) -> None:
+    """Keep the shipped datastore file when the staged one holds the same tensors and metadata: safetensors writes
+    metadata keys in no fixed order, so a re-save of the same datastore is a new 10 MB binary for version control."""
+    if not (shipped.exists() and staged.exists()):
+        return
+    from safetensors import safe_open
+
+    with safe_open(str(shipped), "np") as old, safe_open(str(staged), "np") as new:
+        same = (old.metadata() == new.metadata() and sorted(old.keys()) == sorted(new.keys())
+                and all(np.array_equal(old.get_tensor(k), new.get_tensor(k)) for k in old.keys()))
+    if same:
+        shutil.copyfile(shipped, staged)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     config.pop("auto_map", None)
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     TreeSparkDrafter.from_pretrained(staging)  # refuse to ship what does not load
+    keep_unchanged_datastore(DEFAULT_DRAFTER_DIR / DATASTORE_FILE, staging / DATASTORE_FILE)
     shutil.rmtree(DEFAULT_DRAFTER_DIR, ignore_errors=True)
     staging.rename(DEFAULT_DRAFTER_DIR)
     size = sum(p.stat().st_size for p in DEFAULT_DRAFTER_DIR.iterdir()) / 2**20
