@@ -42,6 +42,8 @@ def test_extracted_positions_are_what_the_drafter_reads_at_every_anchor(grown, t
     data = shards.load()
     assert state["references_done"] == len(refs) and state["shards"] > 1
     assert len(data["label"]) == sum(len(r.input_ids) - 1 - r.prompt_len for r in refs)
+    first = shards.load(limit=27)  # a cut inside the second shard (20 positions each): the same rows
+    assert all(torch.equal(first[k], data[k][:27]) for k in data)
     ref, t = refs[2], refs[2].prompt_len + 3  # one position of the third reference
     row = sum(len(r.input_ids) - 1 - r.prompt_len for r in refs[:2]) + 3
     ids = torch.tensor([ref.input_ids])
