@@ -122,19 +122,14 @@ class PositionShards:
         """Shard `i`, opened and checked: refused by name when damaged or extracted for another drafter."""
         path = self.directory / f"shard_{i:05d}.safetensors"
         try:
-            f = safe_open(str(path), framework="pt")
+            with safe_open(str(path), framework="pt") as f:
+                if (f.metadata() or {}).get("signature") != self.signature:
+                    raise ValueError(f"{path} was extracted for another drafter or target: delete "
+                                     f"{self.directory} and extract again")
+                yield f
         except (OSError, RuntimeError, SafetensorError) as e:  # a truncated or damaged file
             raise ValueError(f"{path} is damaged ({e}): delete it and {self.progress_path}, then extract "
                              "again") from None
-        with f:
-            if (f.metadata() or {}).get("signature") != self.signature:
-                raise ValueError(f"{path} was extracted for another drafter or target: delete "
-                                 f"{self.directory} and extract again")
-            try:
-                yield f
-            except (OSError, RuntimeError, SafetensorError) as e:
-                raise ValueError(f"{path} is damaged ({e}): delete it and {self.progress_path}, then extract "
-                                 "again") from None
 
 
 @torch.no_grad()
