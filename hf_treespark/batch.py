@@ -39,7 +39,7 @@ from dataclasses import replace
 import torch
 from transformers import DynamicCache, LogitsProcessorList
 
-from .engine import PhaseTimer, Round, RowPlanner, feature_indices, select_features
+from .engine import PhaseTimer, Round, RowPlanner, feature_indices, last_logits_only, select_features
 from .lookup import DrafterGate
 from .tree import Candidates, DraftTree, TreePolicy, expand_tree
 from .verify import cache_kwarg, commit_cache, greedy_accept, grouped_attention, processed_accept
@@ -164,7 +164,8 @@ class BatchedSession:
         position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
         with grouped_attention(self.target):
             out = self.target(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
-                              output_hidden_states=self.hidden_ids, **{self.cache_kw: self.cache})
+                              output_hidden_states=self.hidden_ids, **{self.cache_kw: self.cache},
+                              **last_logits_only(self.target))
         features = select_features(out.hidden_states, self.hidden_ids)
         self.valid = mask.bool()
         self.lengths = mask.sum(dim=1)

@@ -71,6 +71,10 @@ BATCH_VERIFY_TOKENS = 320  # a batch's candidate budgets keep its verify forward
 # more than some suites (measured at 8 rows: 1.52 tokens per row and round on MT-Bench against the profile's 1.80,
 # 0.91x plain where 1.05x was predicted).
 BATCH_TREE_MARGIN = 1.1
+# ... and what the batch's own rows accept corrects the profile as they decode (`BatchBudget.observe`): the profile
+# counts as this many row-rounds of evidence against the rows' own (measured at 8 rows, session 18: MT-Bench rows
+# accepted 1.53 tokens per round against the profile's 1.90, and the tree "auto" kept ran at 0.83x plain).
+BATCH_PRIOR_ROWS = 16
 # What a round (drafter pass, tree, verify forward) costs in plain decoding steps, by budget, measured with the
 # shipped drafter on this project's two kinds of 2-core CPU: "auto"'s cost model until this machine's own
 # latency is measured and trusted (`default_round_cost`). float32: AMD EPYC with AVX2 only, `treespark
@@ -572,6 +576,12 @@ class BatchBudget:
     batch, lookup and datastore branches within the `N` nodes; `calibrate_batch_acceptance`), else its
     `acceptance_profile`, else (`needs_scores`) the first drafter pool's scores, averaged over rows.
 
+    Correction (`observe`): the profile was measured on calibration prompts, and a batch's own rows may accept
+    less (or more). Each round's committed tokens per row correct it: `tau(N) = 1 + s (tau_profile(N) - 1)`, `s`
+    the rows' drafted tokens per round (beyond the bonus) over the profile's at the budgets they ran, the profile
+    counting as `BATCH_PRIOR_ROWS` row-rounds. A batch whose rows accept too little for its tree falls back to
+    plain steps within a few rounds.
+
     Gate (`gate_threshold`): one drafter pass serves every row, and the rows' lookup and datastore branches are
     verified with or without it, so the pass has to earn its own cost: the batch's drafter gate (one
     `lookup.DrafterGate` shared by the rows) stays open while the drafted tokens accepted per row and drafter
@@ -587,6 +597,28 @@ class BatchBudget:
         self.acceptance = profile_acceptance(profile, _budgets_for(policy)) if profile else None
         self.chosen: dict[int, int] = {}  # by batch size
         self._costs: dict[int, dict | None] = {}  # round_cost by batch size: read once per generate call
+        # the rows' drafted tokens committed (beyond each round's bonus), the profile's prediction for the same
+        # rounds, and their number (`observe`)
+        self.accepted, self.predicted, self.row_rounds = 0.0, 0.0, 0
+
+    @property
+    def scale(self) -> float:
+        """`s`: the rows' drafted tokens per round over the profile's, the profile counting as `BATCH_PRIOR_ROWS`
+        row-rounds (1 before any round)."""
+        if not self.row_rounds or self.predicted <= 0:
+            return 1.0
+        prior = BATCH_PRIOR_ROWS * self.predicted / self.row_rounds
+        return (self.accepted + prior) / (self.predicted + prior)
+
+    def observe(self, budget: int, tokens: list[int]) -> None:
+        """One round of the batch at `budget`: `tokens`, each row's committed tokens (bonus included). Only "auto"
+        with a profile at that budget learns from it (a fixed budget stays; plain steps tell nothing)."""
+        if not self.policy.auto or self.acceptance is None or budget not in self.acceptance or not tokens:
+            return
+        self.accepted += sum(count - 1 for count in tokens)
+        self.predicted += len(tokens) * (self.acceptance[budget] - 1)
+        self.row_rounds += len(tokens)
+        self.chosen.clear()
 
     @property
     def needs_scores(self) -> bool:
@@ -625,8 +657,8 @@ class BatchBudget:
         costs = self.round_cost(batch)
         if not costs or self.acceptance is None:  # an accelerator without a measurement: the batch-1 default
             return fallback_budget(self.target, self.policy, self.drafter)
-        rate = {0: BATCH_TREE_MARGIN} | {n: self.acceptance[n] / (costs["verify"][n] + costs["draft"][n])
-                                         for n in costs["verify"] if n in self.acceptance}
+        tau = {n: 1 + self.scale * (self.acceptance[n] - 1) for n in costs["verify"] if n in self.acceptance}
+        rate = {0: BATCH_TREE_MARGIN} | {n: tau[n] / (costs["verify"][n] + costs["draft"][n]) for n in tau}
         return max(rate, key=lambda n: (rate[n], -n))
 
     def gate_threshold(self, batch: int, budget: int) -> float:

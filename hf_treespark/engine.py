@@ -70,6 +70,13 @@ def select_features(hidden_states: tuple[torch.Tensor, ...], indices: list[int])
     return torch.cat([hidden_states[i] for i in indices], dim=-1)
 
 
+def last_logits_only(target) -> dict:
+    """`{"logits_to_keep": 1}` where the target's forward takes it, else `{}`: a prompt's logits are needed at its
+    last position only (as plain `generate` computes them), and the LM head over every position of a prompt costs
+    a quarter of a small target's forward."""
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(target.forward).parameters else {}
+
+
 @torch.no_grad()
 def target_features(target, layer_ids: list[int], input_ids: torch.Tensor, attention_mask: torch.Tensor):
     """One frozen-target forward: `([b, T, n_layers * d], [b, T, d])` = selected layers, final normed state.
@@ -77,9 +84,8 @@ def target_features(target, layer_ids: list[int], input_ids: torch.Tensor, atten
     Logits are computed for the last position only where the target supports `logits_to_keep` (the
     LM head over every position is a quarter of a small target's forward, and none of it is used).
     """
-    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(target.forward).parameters else {}
     out = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False,
-                 **extra)
+                 **last_logits_only(target))
     return select_features(out.hidden_states, feature_indices(layer_ids)), out.hidden_states[-1]
 
 
@@ -308,7 +314,7 @@ class TreeSparkSession:
         """Run the prompt `[1, T]` through the target; returns the last position's logits `[1, V]`."""
         with grouped_attention(self.target):
             out = self.target(input_ids=input_ids, use_cache=True, output_hidden_states=self.hidden_ids,
-                              **{self.cache_kw: self.cache})
+                              **{self.cache_kw: self.cache}, **last_logits_only(self.target))
         self.pending = select_features(out.hidden_states, self.hidden_ids)
         self.past_len = input_ids.shape[1]
         return out.logits[:, -1]

@@ -465,6 +465,7 @@ def batched_decoding(model, drafter, input_ids: torch.Tensor, logits_processor: 
             rounds = session.step([sequences[i][0, pads[i]:] for i in active], [sequences[i] for i in active])
             if first_budget is None:
                 first_budget = session.budget
+            chooser.observe(session.budget, [rnd.tokens.shape[1] for rnd in rounds])  # the budget this round ran
             still = []
             for position, (i, rnd) in enumerate(zip(active, rounds, strict=True)):
                 new_tokens = rnd.tokens

@@ -243,6 +243,42 @@ def test_the_auto_budget_shrinks_with_the_batch_and_falls_back_to_plain_steps(mo
     assert out.tree_budget == 0 and out.rounds == [[]] * 9 and out.acceptance_length == [1.0] * 9
 
 
+def test_the_auto_budget_learns_from_what_the_rows_accept(monkeypatch):
+    target = make_target("llama", "sdpa")
+    drafter = make_drafter(target, tree_budget="auto")
+    drafter.config.batch_acceptance_profile = {"2": 1.95, "4": 2.2, "8": 2.4}
+    monkeypatch.setattr(budget, "round_latency", lambda *a, **k: None)  # no measurement: the defaults
+    monkeypatch.setattr(budget, "DEFAULT_CPU_BATCH_ROUND_COST", {"float32": {
+        b: {"verify": {2: 1.4, 4: 1.55, 8: 2.5}, "draft": {2: 0.3, 4: 0.4, 8: 0.6}} for b in (1, 2, 4, 8, 16)}})
+    policy = budget.TreePolicy.from_config(drafter.config)
+    chooser = budget.BatchBudget(target, drafter, policy)
+    assert chooser(8) == 2 and chooser.scale == 1.0  # the profile's 1.95 tokens at 1.7 steps: 1.15x predicted
+    chooser.observe(2, [2, 2, 1, 2])  # rows accepting 1.75 tokens: not yet enough evidence against the profile
+    assert chooser(8) == 2 and chooser.scale == pytest.approx((3 + 16 * 0.95) / (3.8 + 16 * 0.95))
+    for _ in range(4):
+        chooser.observe(2, [1, 2, 1, 1])  # 1.25 tokens per row and round: the tree costs more than it gives
+    assert chooser(8) == 0 and chooser.scale < 0.7
+    chooser.observe(0, [1, 1, 1, 1])  # plain steps tell nothing
+    assert chooser.row_rounds == 20
+    rich = budget.BatchBudget(target, drafter, policy)
+    for _ in range(8):
+        rich.observe(2, [3, 3, 3, 3])  # rows accepting more than the profile: a deeper tree pays
+    assert rich(8) == 4 and rich.scale > 1.5
+    fixed = budget.BatchBudget(target, drafter, budget.TreePolicy.from_config(drafter.config).with_budget(2))
+    fixed.observe(2, [1, 1])
+    assert fixed.row_rounds == 0 and fixed(8) == 2  # a fixed budget stays as given
+    # decoding: a random drafter's rows accept about one token a round, so the batch turns to plain steps within a
+    # few rounds of the profile's tree, and stays exact
+    ids, mask = padded_batch([3, 8, 5, 2, 6, 1, 4, 7], seed=6)
+    ref = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=24, pad_token_id=0)
+    out = target.generate(ids, attention_mask=mask, assistant_model=drafter, do_sample=False, max_new_tokens=24,
+                          pad_token_id=0, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    assert out.tree_budget == 2
+    sizes = [r.tree_size for r in out.rounds[0]]
+    assert sizes[0] > 0 and sizes[-1] == 0  # trees first, then plain steps
+
+
 def test_calibrating_batched_acceptance_counts_tokens_per_row_and_round():
     target = make_target("llama", "sdpa")
     ref_ids, ref_mask = padded_batch([5, 9, 3], seed=11, repeat_rows=(1,))
