@@ -28,7 +28,9 @@ ones), and a compaction copies the cache once per halving. The drafter's context
 finished rows cost nothing, so the batch shrinks as rows end.
 
 `generation.py` drives the session (stopping, padding finished rows as plain `generate` does, records) and, with
-`tree_budget="auto"`, chooses the budget for the number of unfinished rows (`budget.BatchBudget`).
+`tree_budget="auto"`, chooses the budget for the number of unfinished rows (`budget.BatchBudget`). Where no tree
+pays any more (greedy, no logits processors), it hands the rows to transformers' own loop: the cache, gathered
+right (`plain_inputs`), is then an ordinary left-padded cache with logical positions.
 """
 
 from __future__ import annotations
@@ -261,6 +263,21 @@ class BatchedSession:
                     setattr(layer, name, tensor.gather(2, gather))
         if self.context.valid is not None and (force or _mostly_padding(self.context.valid)):
             self.context.select(*right_aligned(self.context.valid))
+
+    def plain_inputs(self, texts: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows as a left-padded batch for plain decoding from this cache (`generation._finish_plain`): every
+        row's cache entries gathered to the right end (after which the cache is an ordinary left-padded cache of
+        `W` entries), and `(ids [B, W + 1], attention_mask [B, W + 1])`: each row's text (`texts`, unpadded, its
+        last token not yet in the cache) right-aligned, padding on the left."""
+        self.compact(force=True)
+        rows, width = self.valid.shape
+        ids = torch.full((rows, width + 1), pad, dtype=texts[0].dtype, device=texts[0].device)
+        for i, text in enumerate(texts):
+            if text.shape[0] != int(self.lengths[i]) + 1:
+                raise RuntimeError(f"row {i}: {text.shape[0]} tokens against {int(self.lengths[i])} in the cache")
+            ids[i, width + 1 - text.shape[0]:] = text
+        mask = torch.cat([self.valid, self.valid.new_ones(rows, 1)], dim=1).long()
+        return ids, mask
 
     def keep_rows(self, rows: list[int]) -> None:
         """Keep the rows `rows` (positions among the current rows), in that order: the others have finished."""

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -422,10 +422,13 @@ def batched_decoding(model, drafter, input_ids: torch.Tensor, logits_processor: 
     Each row stops at its own end (end-of-sequence, a stopping criterion, the length limit) and is padded with the
     pad token up to the longest row, as plain `generate` pads it; the batch ends when every row has ended. With
     `tree_budget="auto"` the budget is chosen for the number of unfinished rows (`budget.BatchBudget`), again each
-    time rows finish; so is the threshold of the batch's drafter gate with `tree_gate="auto"` (`gate` None; a number
-    is kept). With `return_dict_in_generate=True`: `rounds`, `acceptance_length` and
-    `acceptance_by_depth` are per row (lists of B), `tree_budget` the budget of the first round; no cache is
-    returned (the batch's cache is ragged, and finished rows leave it).
+    time rows finish and as the rows' acceptance corrects the drafter's profile; so is the threshold of the batch's
+    drafter gate with `tree_gate="auto"` (`gate` None; a number is kept). When "auto" finds that no tree pays for
+    the rows left (greedy without logits processors), transformers' own loop decodes them to their ends from the
+    session's cache (`_finish_plain`; each plain step is recorded as a round of one token). With
+    `return_dict_in_generate=True`: `rounds`, `acceptance_length` and `acceptance_by_depth` are per row (lists of
+    B), `tree_budget` the budget of the first round; no cache is returned (the batch's cache is ragged, and
+    finished rows leave it).
     """
     mask = check_batch(input_ids, model_kwargs.get("attention_mask"), generation_config, streamer)
     rows = input_ids.shape[0]
@@ -458,7 +461,13 @@ def batched_decoding(model, drafter, input_ids: torch.Tensor, logits_processor: 
         session.keep_rows([i for i in range(rows) if i in active])
     while active:
         if not chooser.needs_scores and session.choose_budget is None:
-            session.set_budget(chooser(len(active)))
+            budget = chooser(len(active))
+            if budget == 0 and policy.auto and not session.walk_processed:
+                # no tree pays for these rows any more: transformers' own loop from here (greedy, no processors)
+                _finish_plain(model, session, active, sequences, pads, records, pad, stopping_criteria,
+                              logits_processor, generation_config)
+                break
+            session.set_budget(budget)
         if gate is None and session.gate is not None:
             session.gate.threshold = chooser.gate_threshold(len(active), session.policy.budget)
         with tree_timer("round") if tree_timer is not None else nullcontext():
@@ -494,6 +503,48 @@ def batched_decoding(model, drafter, input_ids: torch.Tensor, logits_processor: 
     stats = [acceptance_stats(r, session.policy.depth) for r in records]
     return TreeSparkGenerateOutput(sequences=ids, rounds=records, acceptance_length=[m for m, _ in stats],
                                    acceptance_by_depth=[d for _, d in stats], tree_budget=first_budget)
+
+
+class _RowStops(StoppingCriteria):
+    """Stopping for `_finish_plain`: each row is judged by the caller's criteria on its own sequence as plain
+    `generate` holds it (its prompt's padding, its own length: the realigned rows are at different lengths), and
+    the number of tokens it had when it stopped is kept (`stopped`)."""
+
+    def __init__(self, criteria: StoppingCriteriaList, sequences: list[torch.Tensor], width: int):
+        self.criteria, self.sequences, self.width = criteria, sequences, width
+        self.stopped: list[int | None] = [None] * len(sequences)
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        new = input_ids.shape[1] - self.width
+        for i, seq in enumerate(self.sequences):
+            if self.stopped[i] is None and self.criteria(torch.cat([seq, input_ids[i:i + 1, self.width:]], 1),
+                                                         None).any():
+                self.stopped[i] = new
+        return torch.tensor([s is not None for s in self.stopped], dtype=torch.bool, device=input_ids.device)
+
+
+def _finish_plain(model, session: BatchedSession, active: list[int], sequences: list[torch.Tensor], pads: list[int],
+                  records: list[list[RoundRecord]], pad: int, stopping_criteria: StoppingCriteriaList,
+                  logits_processor: LogitsProcessorList, generation_config: GenerationConfig) -> None:
+    """The unfinished rows `active` decoded to their ends by transformers' own loop, continuing from the session's
+    cache (gathered into an ordinary left-padded cache, `BatchedSession.plain_inputs`): what "auto" does once no
+    tree pays for the rows left (greedy without logits processors only: processors see the realigned padding).
+    Appends each row's tokens to `sequences` and one record per token (a plain step) to `records`."""
+    ids, mask = session.plain_inputs([sequences[i][0, pads[i]:] for i in active], pad)
+    width = ids.shape[1]
+    stops = _RowStops(stopping_criteria, [sequences[i] for i in active], width)
+    out = type(model)._sample(model, ids, logits_processor=logits_processor,
+                              stopping_criteria=StoppingCriteriaList([stops]), generation_config=generation_config,
+                              synced_gpus=False, streamer=None, attention_mask=mask, use_cache=True,
+                              position_ids=(mask.cumsum(-1) - 1).masked_fill(mask == 0, 0),  # logical, as cached
+                              **{session.cache_kw: session.cache})
+    out = getattr(out, "sequences", out)
+    for row, i in enumerate(active):
+        count = stops.stopped[row] if stops.stopped[row] is not None else out.shape[1] - width
+        new_tokens = out[row:row + 1, width:width + count]
+        sequences[i] = torch.cat([sequences[i], new_tokens], dim=1)
+        records[i].extend(RoundRecord(tree_size=0, num_accepted=0, accepted_path=[], committed=[token])
+                          for token in new_tokens[0].tolist())
 
 
 def _plain_batch(model, drafter, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs):

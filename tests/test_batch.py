@@ -276,7 +276,14 @@ def test_the_auto_budget_learns_from_what_the_rows_accept(monkeypatch):
     assert torch.equal(out.sequences, ref)
     assert out.tree_budget == 2
     sizes = [r.tree_size for r in out.rounds[0]]
-    assert sizes[0] > 0 and sizes[-1] == 0  # trees first, then plain steps
+    assert sizes[0] > 0 and sizes[-1] == 0  # trees first, then plain steps (transformers' loop, from this cache)
+    assert [sum(len(r.committed) for r in rounds) for rounds in out.rounds] == [23] * 8  # after the prefill's
+    for eos in {int(ref[0, 20]), int(ref[5, 14]), int(ref[2, 26])}:  # rows ending at different steps, after it
+        ref = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=24, pad_token_id=0,
+                              eos_token_id=eos)
+        out = target.generate(ids, attention_mask=mask, assistant_model=drafter, do_sample=False, max_new_tokens=24,
+                              pad_token_id=0, eos_token_id=eos)
+        assert torch.equal(out, ref), eos
 
 
 def test_calibrating_batched_acceptance_counts_tokens_per_row_and_round():
