@@ -549,7 +549,8 @@ def run_batch_benchmark(target, tokenizer, drafter, suites=("mtbench", "humaneva
                         max_prompt_tokens: int = 512, progress: bool = True) -> dict:
     """Tokens per second of all rows, TreeSpark (the drafter's defaults) against plain batched `generate`, greedy,
     for each suite and batch size `B`: the suite's first `B x (num_prompts // B)` prompts (at least one batch) in
-    left-padded batches of `B`, the two methods interleaved batch by batch; every TreeSpark batch is checked
+    left-padded batches of `B`, the two methods interleaved batch by batch (which runs first alternates, so a drift
+    of the machine's speed falls on both); every TreeSpark batch is checked
     against plain (strict in float32, the near-tie rule in half precision). Raises `BenchmarkError` (with the
     report) after an inexact batch."""
     from tqdm.auto import tqdm
@@ -572,14 +573,15 @@ def run_batch_benchmark(target, tokenizer, drafter, suites=("mtbench", "humaneva
             target.generate(**batches[0], **{**kwargs, "max_new_tokens": 2}, assistant_model=drafter)
             seconds = {"plain": 0.0, "treespark": 0.0}
             tokens, committed, rounds, budgets = 0, 0, 0, []
-            for inputs in tqdm(batches, desc=f"{suite} B={size}", disable=not progress):
-                start = time.perf_counter()
-                plain = target.generate(**inputs, **kwargs)
-                seconds["plain"] += time.perf_counter() - start
-                start = time.perf_counter()
-                out = target.generate(**inputs, **kwargs, assistant_model=drafter, tree_budget=budget,
-                                      return_dict_in_generate=True)
-                seconds["treespark"] += time.perf_counter() - start
+            for number, inputs in enumerate(tqdm(batches, desc=f"{suite} B={size}", disable=not progress)):
+                for method in ("plain", "treespark") if number % 2 == 0 else ("treespark", "plain"):  # alternating
+                    start = time.perf_counter()
+                    if method == "plain":
+                        plain = target.generate(**inputs, **kwargs)
+                    else:
+                        out = target.generate(**inputs, **kwargs, assistant_model=drafter, tree_budget=budget,
+                                              return_dict_in_generate=True)
+                    seconds[method] += time.perf_counter() - start
                 width = inputs["input_ids"].shape[1]
                 tokens += int((plain[:, width:] != pad).sum()) if pad is not None else plain[:, width:].numel()
                 per_row = out.rounds if size > 1 else [out.rounds]
