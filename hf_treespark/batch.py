@@ -85,6 +85,12 @@ def pool_row(pool: Candidates, row: int) -> Candidates:
                    scores=pool.scores[one], expansions=[tuple(t[one] for t in step) for step in pool.expansions])
 
 
+def logical_positions(mask: torch.Tensor) -> torch.Tensor:
+    """Each entry's position among its row's real entries (`mask [b, L]`, 1 real, 0 padding; padding at 0), as
+    plain `generate` numbers a left-padded batch."""
+    return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+
+
 def right_aligned(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`(index [b, W], valid [b, W])`: each row's valid entries (`valid [b, L]` bool), in order, at the right end of
     `W = max count` columns, padding (index of an invalid or any entry, not valid) on the left."""
@@ -163,7 +169,7 @@ class BatchedSession:
         """The left-padded prompts `[B, T]` (`attention_mask` 0 on padding) through the target, as plain `generate`
         runs them; returns each row's last logits `[B, V]`."""
         mask = attention_mask.long()
-        position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        position_ids = logical_positions(mask)
         with grouped_attention(self.target):
             out = self.target(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
                               output_hidden_states=self.hidden_ids, **{self.cache_kw: self.cache},
@@ -264,11 +270,12 @@ class BatchedSession:
         if self.context.valid is not None and (force or _mostly_padding(self.context.valid)):
             self.context.select(*right_aligned(self.context.valid))
 
-    def plain_inputs(self, texts: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def plain_inputs(self, texts: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The rows as a left-padded batch for plain decoding from this cache (`generation._finish_plain`): every
         row's cache entries gathered to the right end (after which the cache is an ordinary left-padded cache of
-        `W` entries), and `(ids [B, W + 1], attention_mask [B, W + 1])`: each row's text (`texts`, unpadded, its
-        last token not yet in the cache) right-aligned, padding on the left."""
+        `W` entries), and `(ids, attention_mask, position_ids)`, each `[B, W + 1]`: each row's text (`texts`,
+        unpadded, its last token not yet in the cache) right-aligned, padding on the left; positions logical, as
+        the cache holds them."""
         self.compact(force=True)
         rows, width = self.valid.shape
         ids = torch.full((rows, width + 1), pad, dtype=texts[0].dtype, device=texts[0].device)
@@ -277,7 +284,7 @@ class BatchedSession:
                 raise RuntimeError(f"row {i}: {text.shape[0]} tokens against {int(self.lengths[i])} in the cache")
             ids[i, width + 1 - text.shape[0]:] = text
         mask = torch.cat([self.valid, self.valid.new_ones(rows, 1)], dim=1).long()
-        return ids, mask
+        return ids, mask, logical_positions(mask)
 
     def keep_rows(self, rows: list[int]) -> None:
         """Keep the rows `rows` (positions among the current rows), in that order: the others have finished."""

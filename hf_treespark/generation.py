@@ -530,14 +530,13 @@ def _finish_plain(model, session: BatchedSession, active: list[int], sequences: 
     cache (gathered into an ordinary left-padded cache, `BatchedSession.plain_inputs`): what "auto" does once no
     tree pays for the rows left (greedy without logits processors only: processors see the realigned padding).
     Appends each row's tokens to `sequences` and one record per token (a plain step) to `records`."""
-    ids, mask = session.plain_inputs([sequences[i][0, pads[i]:] for i in active], pad)
+    ids, mask, positions = session.plain_inputs([sequences[i][0, pads[i]:] for i in active], pad)
     width = ids.shape[1]
     stops = _RowStops(stopping_criteria, [sequences[i] for i in active], width)
     out = type(model)._sample(model, ids, logits_processor=logits_processor,
                               stopping_criteria=StoppingCriteriaList([stops]), generation_config=generation_config,
                               synced_gpus=False, streamer=None, attention_mask=mask, use_cache=True,
-                              position_ids=(mask.cumsum(-1) - 1).masked_fill(mask == 0, 0),  # logical, as cached
-                              **{session.cache_kw: session.cache})
+                              position_ids=positions, **{session.cache_kw: session.cache})
     out = getattr(out, "sequences", out)
     for row, i in enumerate(active):
         count = stops.stopped[row] if stops.stopped[row] is not None else out.shape[1] - width
