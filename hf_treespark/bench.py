@@ -544,6 +544,19 @@ def batch_inputs(tokenizer, prompts: list[str]) -> dict:
     return left_padded([assets.chat_inputs(tokenizer, p)["input_ids"][0] for p in prompts], pad)
 
 
+def same_width(first: torch.Tensor, second: torch.Tensor, pad: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two batches of sequences right-padded with `pad` to the longer one's width.
+
+    A batch is as wide as its longest row, so a row that diverges (at a near-tie, in half precision) and runs
+    longer on one side widens that side's whole batch: its other rows, the same tokens then more padding, must
+    not read as a divergence. Where one row goes on past the other's end (`pad` = EOS here), the comparison
+    meets the real divergence: the token against the padding that ended the row."""
+    width = max(first.shape[1], second.shape[1])
+    if pad is None or first.shape[1] == second.shape[1]:
+        return first, second
+    return tuple(torch.nn.functional.pad(seq, (0, width - seq.shape[1]), value=pad) for seq in (first, second))
+
+
 def run_batch_benchmark(target, tokenizer, drafter, suites=("mtbench", "humaneval"), batch_sizes=(1, 2, 4, 8, 16),
                         num_prompts: int = 16, max_new_tokens: int = 128, budget: int | str = "auto",
                         max_prompt_tokens: int = 512, progress: bool = True) -> dict:
@@ -588,9 +601,10 @@ def run_batch_benchmark(target, tokenizer, drafter, suites=("mtbench", "humaneva
                 committed += sum(r.acceptance_length for row in per_row for r in row)
                 rounds += sum(len(row) for row in per_row)
                 budgets.append(out.tree_budget)
+                reference, candidate = same_width(plain, out.sequences, pad)
                 for i in range(size):
                     start = int((inputs["attention_mask"][i] == 0).sum())  # the row without its left padding
-                    report = check_greedy_equivalence(target, plain[i:i + 1, start:], out.sequences[i:i + 1, start:])
+                    report = check_greedy_equivalence(target, reference[i:i + 1, start:], candidate[i:i + 1, start:])
                     if not report.ok:
                         failures.append(f"{suite} B={size} row {i}: {report}")
             rows.append({"suite": suite, "batch_size": size, "prompts": count, "new_tokens": tokens,

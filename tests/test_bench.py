@@ -153,3 +153,29 @@ def test_both_plots_draw_a_method_in_the_same_colour(tmp_path, monkeypatch):
     line_colours = {line.get_label(): to_hex(line.get_color()) for line in depth.axes[0].get_lines()}
     assert set(line_colours) == {r["label"] for r in rows if r["acceptance_by_depth"]}  # no plain, no lookup
     assert all(line_colours[label] == bar_colours[label] for label in line_colours)
+
+
+def test_batch_rows_are_compared_at_one_width_so_padding_alone_is_no_divergence():
+    from hf_treespark.exactness import check_greedy_equivalence
+
+    from conftest import make_target
+
+    target = make_target("llama", dtype=torch.bfloat16)
+    pad = 0
+    prompt = torch.tensor([[5, 9, 14]])
+    plain = target.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=6,
+                            pad_token_id=pad, eos_token_id=None)
+    # the same row in a batch made two tokens wider by another row: only padding differs
+    wider = torch.cat([plain, torch.full((1, 2), pad)], dim=1)
+    assert not check_greedy_equivalence(target, plain, wider).ok  # as the tensors stand, a "divergence"
+    reference, candidate = bench.same_width(plain, wider, pad)
+    assert reference.shape == candidate.shape
+    assert check_greedy_equivalence(target, reference, candidate).ok
+    # a row that goes on where the other one's batch has padding is still checked at that token (bf16: the
+    # near-tie rule; the target's choice there is no near-tie against the padding token)
+    went_on = plain.clone()
+    ended = plain.clone()
+    ended[0, -2:] = pad
+    reference, candidate = bench.same_width(ended[:, :-1], went_on, pad)
+    report = check_greedy_equivalence(target, reference, candidate)
+    assert report.position == plain.shape[1] - 2 and not report.ok
