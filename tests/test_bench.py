@@ -156,9 +156,9 @@ def test_both_plots_draw_a_method_in_the_same_colour(tmp_path, monkeypatch):
 
 
 def test_batch_rows_are_compared_at_one_width_so_padding_alone_is_no_divergence():
-    from hf_treespark.exactness import check_greedy_equivalence
-
     from conftest import make_target
+
+    from hf_treespark.exactness import check_greedy_equivalence
 
     target = make_target("llama", dtype=torch.bfloat16)
     pad = 0
