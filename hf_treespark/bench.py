@@ -743,13 +743,14 @@ def batch_sizes_option(text: str, option: str = "--batch-size") -> list[int]:
 
 
 def _run_batches(args, target, tokenizer, drafters: dict, suites: list[str], budget) -> int:
-    from .budget import ensure_latency
+    from .budget import ensure_batch_latency, ensure_latency
 
     sizes = batch_sizes_option(args.batch_size)
     if "treespark" not in drafters:
         raise ValueError("--batch-size needs the TreeSpark drafter (--drafter treespark=PATH with --target)")
     drafter = drafters["treespark"]
     ensure_latency(target, drafter)
+    ensure_batch_latency(target, drafter, sizes)
     try:
         report, failed = run_batch_benchmark(target, tokenizer, drafter, suites, sizes, args.num_prompts,
                                              args.max_new_tokens, budget), None

@@ -495,6 +495,27 @@ def ensure_latency(target, drafter, quiet: bool = False) -> None:
 
 
 
+def ensure_batch_latency(target, drafter, sizes, quiet: bool = False) -> None:
+    """`ensure_latency` for batches (`treespark bench --batch-size`): the round costs of each measured batch size
+    that prices `sizes` rows (`measured_batch`), measured once where this machine has none, so that the batched
+    "auto" and the batch's drafter gate decide from this device's numbers, not `DEFAULT_CPU_BATCH_ROUND_COST`
+    (measured on another CPU, in float32). About ten seconds per size on a 2-core CPU. An untrusted measurement
+    is handled as `round_latency` handles it (the default stays; not measured again for a while)."""
+    policy = TreePolicy.from_config(drafter.config)
+    if not (policy.auto or policy.lookup):
+        return
+    for size in sorted({measured_batch(b) for b in sizes if b > 1}):
+        budgets = batch_budgets(policy, size)
+        if round_latency(target, drafter, policy, budgets, measure=False, batch=size) is not None:
+            continue
+        path, key = cache_dir() / LATENCY_FILE, latency_key(target, drafter, policy, 256, size)
+        if (str(path), key) in _untrusted or _recently_untrusted(path, key):
+            continue
+        if not quiet:
+            print(f"[treespark] measuring what a round of {size} rows costs on this machine, for each tree budget "
+                  f"(once; cached in {path})...", file=sys.stderr, flush=True)
+        round_latency(target, drafter, policy, budgets, batch=size)
+
 def has_latency(target, drafter, policy: TreePolicy | None = None) -> bool:
     """Whether this device's round latency is cached (and trusted) for this target, drafter and policy."""
     policy = policy or TreePolicy.from_config(drafter.config)

@@ -497,3 +497,21 @@ def test_without_a_trusted_latency_auto_prices_a_calibrated_drafter_with_the_def
     uncalibrated = make_drafter(target, tree_budget="auto")
     assert budget.auto_budget(target, uncalibrated, policy) == budget.FALLBACK_BUDGET["cpu"]
     assert budget.default_round_cost(make_target("llama", dtype=torch.float16), budgets) is None
+
+
+def test_the_batch_bench_measures_each_batch_size_it_prices_once(latency_cache, monkeypatch, capsys):
+    target = make_target("llama")
+    drafter = make_drafter(target, tree_budget="auto", acceptance_profile={"2": 1.5, "4": 1.6})
+    measured = []
+    monkeypatch.setattr(budget, "measure_round_latency",
+                        lambda *a, **k: measured.append(k["batch"]) or steady_table(a[3]))
+    budget.ensure_batch_latency(target, drafter, [1, 2, 3, 4])
+    assert measured == [2, 4]  # 3 rows are priced by the 4-row measurement; one row is ensure_latency's
+    assert "a round of 4 rows" in capsys.readouterr().err
+    policy = TreePolicy.from_config(drafter.config)
+    size_budgets = budget.batch_budgets(policy, 4)
+    expected = steady_table(size_budgets)
+    assert budget.BatchBudget(target, drafter, policy).round_cost(3) == {
+        part: {n: expected[part][n] / expected["verify"][0] for n in size_budgets} for part in ("verify", "draft")}
+    budget.ensure_batch_latency(target, drafter, [2, 4, 8], quiet=True)
+    assert measured == [2, 4, 8]  # cached sizes are not measured again
