@@ -494,7 +494,6 @@ def ensure_latency(target, drafter, quiet: bool = False) -> None:
         print(f"[treespark] measured in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
 
 
-
 def ensure_batch_latency(target, drafter, sizes, quiet: bool = False) -> None:
     """`ensure_latency` for batches (`treespark bench --batch-size`): the round costs of each measured batch size
     that prices `sizes` rows (`measured_batch`), measured once where this machine has none, so that the batched
