@@ -1,7 +1,8 @@
 """The TreeSpark Gradio demo: `python demo/app.py [--target NAME_OR_PATH] [--drafter NAME_OR_PATH] [--port 7860]`.
 
-The same as `treespark demo`. The app itself lives in `hf_treespark/demo.py` (so the installed
-command has it); `build_app` is re-exported here for scripts that want the `gr.Blocks` object.
+The same as `treespark demo`. The app itself lives in the package (so the installed command has it):
+the page in `hf_treespark/demo.py`, the run it drives in `hf_treespark/demo_run.py`; `build_app` is
+re-exported here for scripts that want the `gr.Blocks` object.
 """
 
 from __future__ import annotations

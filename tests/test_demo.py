@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hf_treespark import demo
+from hf_treespark import demo_run
 from hf_treespark.cli import main as treespark_main
 from hf_treespark.datastore import MAX_NODES
 from hf_treespark.demo import (
@@ -192,10 +192,10 @@ class _FakeTokenizer:
 
 def test_speedup_comes_from_the_unstreamed_runs_not_the_live_one(monkeypatch):
     clock = _FakeClock()
-    monkeypatch.setattr(demo.time, "perf_counter", clock)
+    monkeypatch.setattr(demo_run.time, "perf_counter", clock)
     target = _FakeTarget(clock)
-    pair = demo.ModelPair(target, _FakeTokenizer(), drafter=object(), description="fake")
-    run = demo.DemoRun(pair, PROMPT, DemoSettings(max_new_tokens=8, compare=True))
+    pair = demo_run.ModelPair(target, _FakeTokenizer(), drafter=object(), description="fake")
+    run = demo_run.DemoRun(pair, PROMPT, DemoSettings(max_new_tokens=8, compare=True))
     assert sum(1 for _ in run.stream()) == 3  # the prefill token, then two rounds
     run.compare_plain()
     stats = run.stats()
