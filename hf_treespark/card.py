@@ -1,16 +1,23 @@
-"""What a saved drafter directory carries besides its weights: the model card and `custom_generate/`.
+"""What a saved drafter directory carries besides its weights, and what a push uploads.
 
-`TreeSparkDrafter.save_pretrained` writes both (when the package is installed), so this module must
-not import the modeling code: it reads the drafter's config only.
+The model card is a `huggingface_hub.ModelCard`: `ModelCardData` metadata, then one small function per section
+(`model_card` assembles them). `custom_generate/` is the tree decoding loop for users without the package.
+`TreeSparkDrafter.save_pretrained` writes both (when the package is installed) and `push_to_hub` uploads them
+through `push_drafter`, as `treespark push` does; so this module must not import the modeling code: it reads the
+drafter's config and calls its `save_pretrained` only.
 """
 
 from __future__ import annotations
 
-import json
+import glob
 import os
 import re
 import shutil
+import tempfile
+from collections.abc import Sequence
 from pathlib import Path
+
+from huggingface_hub import ModelCard, ModelCardData
 
 from .configuration import TreeSparkConfig
 from .default_target import DEFAULT_TARGET_CACHE_NAME, DEFAULT_TARGET_HUB_ID, DEFAULT_TARGET_NAME
@@ -21,8 +28,11 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 
 
 # ----- model card ---------------------------------------------------------------------------------
+LIBRARY_NAME = "hf_treespark"
 LICENSE = "apache-2.0"  # the package's license, which the drafter code in the repository is under
 PIPELINE_TAG = "text-generation"  # what the drafter is used for: the target's text generation
+TAGS = ("treespark", "speculative-decoding", "drafter")
+_METADATA_ORDER = ["library_name", "license", "pipeline_tag", "tags", "base_model"]  # the card's YAML, top down
 
 
 def hub_target_id(name: str | None) -> str | None:
@@ -42,46 +52,17 @@ def source_card(drafter) -> Path | None:
     return card if card is not None and card.is_file() else None
 
 
-def _datastore(drafter) -> str:
-    store = getattr(drafter, "datastore", None)
-    if store is None:
-        return "none (`treespark datastore` builds one)"
-    state = "on" if getattr(drafter.config, "tree_datastore", True) else "off"
-    return f"{state}: `datastore.safetensors`, {store.num_tokens:,} tokens of the target's earlier outputs"
-
-
-def model_card(drafter, acceptance_table: str | None = None, repo_id: str | None = None) -> str:
-    """A markdown model card for `drafter`: target pairing, architecture, tree policy, acceptance, usage.
-
-    Args:
-        drafter: the drafter (or anything with a `TreeSparkConfig` as `.config`).
-        acceptance_table: a markdown table of measured acceptance lengths, inserted verbatim. The
-            drafter's own `config.acceptance_profile` (what `treespark calibrate` measured) is shown
-            too; with neither, the card says that no measurement was recorded.
-        repo_id: the Hub id (or local path) the drafter will be loaded from, used in the usage snippet.
-    """
-    cfg: TreeSparkConfig = drafter.config
+def card_data(cfg: TreeSparkConfig, tags: Sequence[str] = ()) -> ModelCardData:
+    """The card's metadata: library, license, pipeline tag, tags (`TAGS`, then `tags`) and, when the target is
+    recorded as a Hub id, `base_model` (a local path or an unknown target is left out)."""
     target = hub_target_id(cfg.target_name_or_path)
-    repo = repo_id or REPO_PLACEHOLDER
-    target_ref = target or "the-target-model"
+    return ModelCardData(library_name=LIBRARY_NAME, license=LICENSE, pipeline_tag=PIPELINE_TAG,
+                         tags=[*TAGS, *tags], base_model=target if target and _REPO_ID.match(target) else None)
 
-    front = ["---", "library_name: hf_treespark", f"license: {LICENSE}", f"pipeline_tag: {PIPELINE_TAG}", "tags:",
-             "- treespark", "- speculative-decoding", "- drafter"]
-    if target and _REPO_ID.match(target):
-        front.append(f"base_model: {json.dumps(target)}")
-    front.append("---")
 
-    params = sum(p.numel() for p in drafter.parameters()) if hasattr(drafter, "parameters") else None
-    mask = (f"token id {cfg.mask_token_id} of the target's vocabulary" if cfg.mask_token_id is not None
-            else "a learned mask embedding owned by the drafter")
-    confidence = (f"yes: `c_k(y) = sigmoid(w . [h_k ; W1[y]] + b)`, input width {cfg.hidden_size + cfg.markov_rank}"
-                  if cfg.use_confidence_head else "no")
-    title = f"TreeSpark drafter for {target}" if target else "TreeSpark drafter"
-
-    lines = [
-        *front,
-        "",
-        f"# {title}",
+def _introduction(cfg: TreeSparkConfig, target: str | None) -> list[str]:
+    return [
+        f"# TreeSpark drafter for {target}" if target else "# TreeSpark drafter",
         "",
         "A TreeSpark drafter: a DSpark-style parallel block drafter that drafts a block of "
         f"{cfg.block_size} future tokens in one forward pass, conditioned on hidden states of its target model, "
@@ -91,17 +72,29 @@ def model_card(drafter, acceptance_table: str | None = None, repo_id: str | None
         "",
         "The drafter shares the target's token embeddings and LM head; they are not stored here, and the drafter "
         "refuses a target whose vocabulary, hidden size or depth differs from the one below.",
-        "",
+    ]
+
+
+def _target_pairing(cfg: TreeSparkConfig, target: str | None) -> list[str]:
+    return [
         "## Target pairing",
         "",
         "| | |",
         "|---|---|",
-        f"| target | `{target_ref}`{'' if target else ' (not recorded)'} |",
+        f"| target | `{target or 'the-target-model'}`{'' if target else ' (not recorded)'} |",
         f"| target hidden size | {cfg.target_hidden_size} |",
         f"| target vocabulary | {cfg.target_vocab_size} |",
         f"| target layers | {cfg.target_num_hidden_layers} |",
         f"| target_layer_ids | `{list(cfg.target_layer_ids)}` (read from `hidden_states[l + 1]`) |",
-        "",
+    ]
+
+
+def _architecture(drafter, cfg: TreeSparkConfig) -> list[str]:
+    mask = (f"token id {cfg.mask_token_id} of the target's vocabulary" if cfg.mask_token_id is not None
+            else "a learned mask embedding owned by the drafter")
+    confidence = (f"yes: `c_k(y) = sigmoid(w . [h_k ; W1[y]] + b)`, input width {cfg.hidden_size + cfg.markov_rank}"
+                  if cfg.use_confidence_head else "no")
+    lines = [
         "## Architecture",
         "",
         "| | |",
@@ -119,10 +112,13 @@ def model_card(drafter, acceptance_table: str | None = None, repo_id: str | None
         lines.append(f"| depth-1 head | MLP width {cfg.depth1_head}: the target features of the position before the "
                      "anchor, the anchor's embedding and the anchor slot's state, added to that state "
                      "(`treespark train-depth1`) |")
-    if params is not None:
-        lines.append(f"| stored parameters | {params:,} |")
-    lines += [
-        "",
+    if hasattr(drafter, "parameters"):
+        lines.append(f"| stored parameters | {sum(p.numel() for p in drafter.parameters()):,} |")
+    return lines
+
+
+def _tree_policy(drafter, cfg: TreeSparkConfig) -> list[str]:
+    return [
         "## Tree policy defaults",
         "",
         "Each round drafts one block and grows a tree of depth up to `B` from it; the tree is verified in one "
@@ -138,10 +134,26 @@ def model_card(drafter, acceptance_table: str | None = None, repo_id: str | None
         f"| max depth (block size) | {cfg.block_size} |",
         f"| draft vocabulary | {_draft_vocabulary(cfg)} |",
         f"| tree_datastore (retrieved branches) | {_datastore(drafter)} |",
-        "",
-        "## Measured acceptance",
-        "",
     ]
+
+
+def _draft_vocabulary(cfg: TreeSparkConfig) -> str:
+    if cfg.draft_vocab_size is None:
+        return f"the whole target vocabulary ({cfg.target_vocab_size})"
+    return (f"{cfg.draft_vocab_size} of the target's {cfg.target_vocab_size} ids (`draft_vocab_ids`, stored with the "
+            "weights); verification uses the whole vocabulary")
+
+
+def _datastore(drafter) -> str:
+    store = getattr(drafter, "datastore", None)
+    if store is None:
+        return "none (`treespark datastore` builds one)"
+    state = "on" if getattr(drafter.config, "tree_datastore", True) else "off"
+    return f"{state}: `datastore.safetensors`, {store.num_tokens:,} tokens of the target's earlier outputs"
+
+
+def _measured_acceptance(cfg: TreeSparkConfig, acceptance_table: str | None) -> list[str]:
+    lines = ["## Measured acceptance", ""]
     table, profile = (acceptance_table or "").strip(), cfg.acceptance_profile or {}
     if table:
         lines += [table]
@@ -153,16 +165,20 @@ def model_card(drafter, acceptance_table: str | None = None, repo_id: str | None
         lines += [f"| {n} | {tau:.2f} |" for n, tau in sorted(profile.items(), key=lambda item: int(item[0]))]
     if not table and not profile:
         lines += ["No acceptance table was recorded for this drafter."]
-    lines += [
-        "",
+    return lines
+
+
+def _usage(target: str | None, repo: str) -> list[str]:
+    target = target or "the-target-model"
+    return [
         "## Usage",
         "",
         "```python",
         "import hf_treespark  # registers the drafter with AutoModel and routes generate() to tree decoding",
         "from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer",
         "",
-        f'target = AutoModelForCausalLM.from_pretrained("{target_ref}")',
-        f'tokenizer = AutoTokenizer.from_pretrained("{target_ref}")',
+        f'target = AutoModelForCausalLM.from_pretrained("{target}")',
+        f'tokenizer = AutoTokenizer.from_pretrained("{target}")',
         f'drafter = AutoModel.from_pretrained("{repo}")',
         "# an instruct target answers a chat: apply its chat template",
         'messages = [{"role": "user", "content": "Write a haiku about trees."}]',
@@ -180,16 +196,35 @@ def model_card(drafter, acceptance_table: str | None = None, repo_id: str | None
         "out = target.generate(**inputs, assistant_model=drafter, max_new_tokens=128,",
         f'                      custom_generate="{repo}", trust_remote_code=True)',
         "```",
-        "",
     ]
-    return "\n".join(lines)
 
 
-def _draft_vocabulary(cfg: TreeSparkConfig) -> str:
-    if cfg.draft_vocab_size is None:
-        return f"the whole target vocabulary ({cfg.target_vocab_size})"
-    return (f"{cfg.draft_vocab_size} of the target's {cfg.target_vocab_size} ids (`draft_vocab_ids`, stored with the "
-            "weights); verification uses the whole vocabulary")
+def drafter_card(drafter, acceptance_table: str | None = None, repo_id: str | None = None,
+                 tags: Sequence[str] = ()) -> ModelCard:
+    """The `huggingface_hub.ModelCard` of `drafter`: `card_data` as metadata, then target pairing, architecture,
+    tree policy, measured acceptance and usage (arguments as for `model_card`; `tags` are added to `TAGS`)."""
+    cfg: TreeSparkConfig = drafter.config
+    target = hub_target_id(cfg.target_name_or_path)
+    sections = [_introduction(cfg, target), _target_pairing(cfg, target), _architecture(drafter, cfg),
+                _tree_policy(drafter, cfg), _measured_acceptance(cfg, acceptance_table),
+                _usage(target, repo_id or REPO_PLACEHOLDER)]
+    body = "\n\n".join("\n".join(lines) for lines in sections)
+    metadata = card_data(cfg, tags).to_yaml(original_order=_METADATA_ORDER)
+    return ModelCard(f"---\n{metadata}\n---\n\n{body}\n")
+
+
+def model_card(drafter, acceptance_table: str | None = None, repo_id: str | None = None) -> str:
+    """The markdown model card (`README.md`) of `drafter`: the one card that `save_pretrained`, `push_to_hub` and
+    `treespark push` write (see `drafter_card`).
+
+    Args:
+        drafter: the drafter (or anything with a `TreeSparkConfig` as `.config`).
+        acceptance_table: a markdown table of measured acceptance lengths, inserted verbatim. The
+            drafter's own `config.acceptance_profile` (what `treespark calibrate` measured) is shown
+            too; with neither, the card says that no measurement was recorded.
+        repo_id: the Hub id (or local path) the drafter will be loaded from, used in the usage snippet.
+    """
+    return str(drafter_card(drafter, acceptance_table, repo_id))
 
 
 # ----- custom_generate/: tree decoding without the package ------------------------------------------
@@ -198,7 +233,7 @@ CUSTOM_GENERATE_DIR = "custom_generate"
 # each other). Adjust when the decoding loop's modules change; a test checks the set is closed under imports.
 CUSTOM_GENERATE_MODULES = ("batch.py", "budget.py", "configuration.py", "datastore.py", "engine.py", "generation.py",
                            "integration.py", "lookup.py", "modeling.py", "storage.py", "tree.py", "verify.py",
-                           "cpu_gemm.py")
+                           "cpu_gemm.py", "latency.py")
 
 
 def write_custom_generate(save_directory: str | os.PathLike) -> Path:
@@ -214,3 +249,77 @@ def write_custom_generate(save_directory: str | os.PathLike) -> Path:
     return folder
 
 
+# ----- the card in a directory, and what a push uploads ---------------------------------------------------
+PUSH_COMMIT_MESSAGE = "Upload TreeSpark drafter"
+
+
+def write_card(directory: str | os.PathLike, drafter, acceptance_table: str | None = None,
+               repo_id: str | None = None) -> Path:
+    """Write `model_card(drafter, ...)` as `directory/README.md` unless a card is there already (a user's own, or
+    one saved with measured tables, is kept). Returns the card's path."""
+    card = Path(directory) / CARD_NAME
+    if not card.exists():
+        card.parent.mkdir(parents=True, exist_ok=True)
+        card.write_text(model_card(drafter, acceptance_table, repo_id=repo_id), encoding="utf-8")
+    return card
+
+
+def push_card(drafter, repo_id: str, acceptance_table: str | None = None, tags: Sequence[str] = ()) -> str:
+    """The `README.md` a push of `drafter` to `repo_id` uploads: the card of the directory it was loaded from
+    (`source_card`, its usage snippet pointed at `repo_id`) unless `acceptance_table` is given, else `model_card`.
+    `tags` are added to the card's metadata."""
+    kept = source_card(drafter) if acceptance_table is None else None
+    if kept is None:
+        return str(drafter_card(drafter, acceptance_table, repo_id=repo_id, tags=tags))
+    text = kept.read_text(encoding="utf-8").replace(REPO_PLACEHOLDER, repo_id)
+    if not tags:
+        return text
+    card = ModelCard(text)
+    card.data.tags = list(dict.fromkeys([*(card.data.tags or []), *tags]))
+    return str(card)
+
+
+def push_drafter(drafter, repo_id: str, *, acceptance_table: str | None = None, commit_message: str | None = None,
+                 commit_description: str | None = None, private: bool | None = None, token: str | bool | None = None,
+                 revision: str | None = None, create_pr: bool = False, max_shard_size: int | str | None = None,
+                 tags: Sequence[str] | None = None):
+    """Save `drafter` into a temporary directory with `push_card` as its `README.md` (`save_pretrained` adds the
+    weights, remote code, `custom_generate/` and the datastore) and upload it to the Hub repo `repo_id`, created if
+    needed. What `drafter.push_to_hub(...)` and `treespark push` do; the options are `push_to_hub`'s. Returns
+    `huggingface_hub`'s `CommitInfo`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / CARD_NAME).write_text(push_card(drafter, repo_id, acceptance_table, tags or ()), encoding="utf-8")
+        drafter.save_pretrained(tmp, **({} if max_shard_size is None else {"max_shard_size": max_shard_size}))
+        return _upload(tmp, repo_id, commit_message=commit_message, commit_description=commit_description,
+                       private=private, token=token, revision=revision, create_pr=create_pr)
+
+
+def save_and_push(drafter, save_directory: str | os.PathLike, *args, repo_id: str | None = None,
+                  commit_message: str | None = None, commit_description: str | None = None,
+                  private: bool | None = None, token: str | bool | None = None, create_pr: bool = False,
+                  revision: str | None = None, **save_kwargs):
+    """`drafter.save_pretrained(save_directory, push_to_hub=True, ...)`: save, then upload what the save wrote (and
+    the directory's card) to `repo_id` (default: the directory's name), as transformers does, with the card."""
+    folder = Path(save_directory)
+    before = {p: p.stat().st_mtime_ns for p in folder.rglob("*") if p.is_file()} if folder.is_dir() else {}
+    drafter.save_pretrained(folder, *args, **save_kwargs)
+    written = [p for p in folder.rglob("*") if p.is_file() and before.get(p) != p.stat().st_mtime_ns]
+    names = sorted({p.relative_to(folder).as_posix() for p in written} | {CARD_NAME})
+    return _upload(folder, repo_id or folder.resolve().name, commit_message=commit_message,
+                   commit_description=commit_description, private=private, token=token, revision=revision,
+                   create_pr=create_pr, allow_patterns=[glob.escape(name) for name in names])
+
+
+def _upload(folder, repo_id: str, *, commit_message: str | None, commit_description: str | None,
+            private: bool | None, token: str | bool | None, revision: str | None, create_pr: bool,
+            allow_patterns: list[str] | None = None):
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token)
+    url = api.create_repo(repo_id, exist_ok=True, private=private)
+    repo_id = getattr(url, "repo_id", None) or repo_id  # the Hub fills in a missing namespace
+    if revision is not None and not revision.startswith("refs/pr"):
+        api.create_branch(repo_id, branch=revision, exist_ok=True)
+    return api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message or PUSH_COMMIT_MESSAGE,
+                             commit_description=commit_description, revision=revision, create_pr=create_pr,
+                             allow_patterns=allow_patterns)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +34,13 @@ from .card import (  # noqa: F401  (re-exported: the card and custom_generate/ a
     CUSTOM_GENERATE_MODULES,
     LICENSE,
     PIPELINE_TAG,
+    PUSH_COMMIT_MESSAGE,
     REPO_PLACEHOLDER,
     hub_target_id,
     model_card,
+    push_drafter,
     source_card,
+    write_card,
     write_custom_generate,
 )
 from .configuration import TreeSparkConfig
@@ -68,18 +70,19 @@ def save_drafter(
     """
     if kwargs.get("push_to_hub"):
         raise ValueError("save_drafter does not push; use push_drafter_to_hub so that the model card is uploaded too")
-    # `import hf_treespark` does this for the package's classes; a drafter loaded as remote code has its own.
+    _register_for_auto_classes(drafter)
+    save_directory = Path(save_directory)
+    write_card(save_directory, drafter, acceptance_table, repo_id)  # first: save_pretrained's own has no table
+    drafter.save_pretrained(save_directory, **kwargs)
+    return save_directory
+
+
+def _register_for_auto_classes(drafter: TreeSparkDrafter) -> None:
+    """`import hf_treespark` does this for the package's classes; a drafter loaded as remote code has its own."""
     if getattr(type(drafter), "_auto_class", None) is None:
         type(drafter).register_for_auto_class("AutoModel")
     if getattr(type(drafter.config), "_auto_class", None) is None:
         type(drafter.config).register_for_auto_class()
-    save_directory = Path(save_directory)
-    save_directory.mkdir(parents=True, exist_ok=True)
-    card = save_directory / CARD_NAME
-    if not card.exists():  # before save_pretrained, which would otherwise write a card without the table
-        card.write_text(model_card(drafter, acceptance_table, repo_id=repo_id), encoding="utf-8")
-    drafter.save_pretrained(save_directory, **kwargs)
-    return save_directory
 
 
 def push_drafter_to_hub(
@@ -88,27 +91,22 @@ def push_drafter_to_hub(
     acceptance_table: str | None = None,
     private: bool | None = None,
     token: str | None = None,
-    commit_message: str = "Upload TreeSpark drafter",
+    commit_message: str = PUSH_COMMIT_MESSAGE,
+    **options: Any,
 ):
-    """Save `drafter` with its model card (see `save_drafter`) and upload the folder to the Hub repo `repo_id`.
+    """Save `drafter` with its model card and upload the folder to the Hub repo `repo_id` (`card.push_drafter`,
+    which `drafter.push_to_hub` calls too: the same card, metadata and files either way).
 
     The card is the `README.md` of the directory the drafter was loaded from when it has one (`source_card`:
     a card the user wrote, or the one saved with the drafter's measured tables; its usage snippet is pointed
     at `repo_id`), unless `acceptance_table` is given; else one generated from the drafter's config (its
-    `acceptance_profile` included). Creates the repo if needed. Returns `huggingface_hub`'s `CommitInfo`.
+    `acceptance_profile` included). Creates the repo if needed. `options` are `push_to_hub`'s others
+    (`revision`, `create_pr`, `commit_description`, `max_shard_size`, `tags`). Returns `huggingface_hub`'s
+    `CommitInfo`.
     """
-    from huggingface_hub import HfApi
-
-    api = HfApi(token=token)
-    kept = source_card(drafter) if acceptance_table is None else None
-    with tempfile.TemporaryDirectory() as tmp:
-        if kept is not None:  # save_drafter keeps a card that is already there
-            text = kept.read_text(encoding="utf-8").replace(REPO_PLACEHOLDER, repo_id)
-            (Path(tmp) / CARD_NAME).write_text(text, encoding="utf-8")
-        save_drafter(drafter, tmp, acceptance_table=acceptance_table, repo_id=repo_id)
-        url = api.create_repo(repo_id, exist_ok=True, private=private)
-        repo_id = getattr(url, "repo_id", None) or repo_id  # the Hub fills in a missing namespace
-        return api.upload_folder(repo_id=repo_id, folder_path=tmp, commit_message=commit_message)
+    _register_for_auto_classes(drafter)
+    return push_drafter(drafter, repo_id, acceptance_table=acceptance_table, private=private, token=token,
+                        commit_message=commit_message, **options)
 
 
 # ----- DSpark configs -------------------------------------------------------------------------------

@@ -754,24 +754,23 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
         """`PreTrainedModel.save_pretrained`, plus a model card (`README.md`) when the directory has none and the
         drafter's datastore (`datastore.safetensors`) when it carries one.
 
-        The card is written first, so `push_to_hub` (which saves through here) uploads it too.
+        `push_to_hub=True` saves, then uploads what was written and the card (`card.save_and_push`).
         The weights are written in `dtype`; by default in the dtype they were loaded from (a bfloat16
         checkpoint loaded as float32 is saved as bfloat16 again) when that loses nothing, else in the
         model's own dtype.
         """
+        try:
+            from hf_treespark import card
+        except ImportError:  # loaded as remote code, without the package: no card, no custom_generate/
+            card = None
+        if card is not None and kwargs.pop("push_to_hub", False):
+            return card.save_and_push(self, save_directory, *args, dtype=dtype, **kwargs)
         dtype = dtype or self._lossless_stored_dtype()
         os.makedirs(save_directory, exist_ok=True)
-        try:
-            from hf_treespark.card import model_card, write_custom_generate
-        except ImportError:  # loaded as remote code, without the package: no card, no custom_generate/
-            model_card = write_custom_generate = None
-        if write_custom_generate is not None:
-            write_custom_generate(save_directory)
-        card = os.path.join(save_directory, "README.md")
-        if not os.path.exists(card) and model_card is not None:
-            with open(card, "w", encoding="utf-8") as f:
-                f.write(model_card(self))
-        if self.datastore is not None:  # before the weights: `push_to_hub=True` uploads what is there then
+        if card is not None:
+            card.write_custom_generate(save_directory)
+            card.write_card(save_directory, self)
+        if self.datastore is not None:
             self.datastore.save(save_directory)
         if dtype is None or dtype == self.dtype:
             return super().save_pretrained(save_directory, *args, **kwargs)
@@ -787,6 +786,17 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
             for p, data in zip(params, originals, strict=True):
                 p.data = data
             self.config.dtype = self.dtype
+
+    def push_to_hub(self, repo_id: str, *, acceptance_table: str | None = None, **options):
+        """Upload the drafter as `treespark push` does (`hf_treespark.card.push_drafter`): its TreeSpark model card,
+        the weights, remote code, `custom_generate/` and the datastore. `options` are `PushToHubMixin.push_to_hub`'s
+        (`commit_message`, `private`, `token`, `revision`, `create_pr`, `commit_description`, `max_shard_size`,
+        `tags`); `acceptance_table` is a measured table for a new card, as for `treespark push`."""
+        try:
+            from hf_treespark.card import push_drafter
+        except ImportError:  # loaded as remote code, without the package: transformers' own upload
+            return super().push_to_hub(repo_id, **options)
+        return push_drafter(self, repo_id, acceptance_table=acceptance_table, **options)
 
     def _lossless_stored_dtype(self) -> torch.dtype | None:
         """The dtype of the checkpoint this drafter was loaded from, if every weight is still exact in it."""
@@ -814,12 +824,17 @@ class TreeSparkDrafter(TreeSparkPreTrainedModel):
         if bad:
             raise OSError(f"Refusing the TreeSpark drafter checkpoint at {pretrained_model_name_or_path!r}: it does "
                           f"not match its config ({bad}). The file is incomplete or from another model.")
+        weights = _weights_path(name, kwargs)
         problem = None if model.draft_vocab_ids is None else draft_vocab_problem(model.draft_vocab_ids,
                                                                                  model.config.target_vocab_size)
         if problem is not None:
-            weights = os.path.join(name, "model.safetensors") if os.path.isdir(name) else name
             raise OSError(f"Refusing the TreeSpark drafter checkpoint {weights}: its draft_vocab_ids buffer is "
                           f"damaged ({problem}): the file was cut or edited. Use an intact copy of the drafter.")
+        nonfinite = nonfinite_tensors(model)
+        if nonfinite:
+            raise ValueError(f"Refusing the TreeSpark drafter checkpoint {weights}: NaN or inf values in "
+                             f"{', '.join(nonfinite)}. Training diverged or the file was damaged: retrain the "
+                             "drafter, or re-save it from a copy whose weights are finite.")
         model.__dict__["_stored_dtype"] = _stored_dtype(pretrained_model_name_or_path, kwargs)
         model.datastore = _load_datastore(pretrained_model_name_or_path, kwargs, model.config)
         _align_tensors(model)
@@ -850,6 +865,17 @@ def _token_id_tensor(token_ids) -> torch.Tensor:
     if ids is None or ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
         raise TypeError(f"restrict_vocabulary: token_ids must be integer token ids, got {token_ids!r:.60}")
     return ids.to(torch.long).flatten().cpu()
+
+
+def nonfinite_tensors(model: nn.Module, limit: int = 8) -> list[str]:
+    """The floating-point tensors of `model`'s state dict that hold NaN or inf, each as `"name (n NaN, m inf)"`;
+    at most `limit` named, then how many more."""
+    found = []
+    for key, tensor in model.state_dict().items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            nan, inf = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
+            found.append(f"{key} ({', '.join(f'{n} {what}' for n, what in ((nan, 'NaN'), (inf, 'inf')) if n)})")
+    return found if len(found) <= limit else [*found[:limit], f"{len(found) - limit} more tensors"]
 
 
 def draft_vocab_problem(ids: torch.Tensor, vocab_size: int) -> str | None:
@@ -895,6 +921,15 @@ def _head_source(head: nn.Module) -> tuple:
 def _hub_kwargs(kwargs: dict) -> dict:
     return {k: kwargs[k] for k in ("cache_dir", "force_download", "local_files_only", "token", "revision",
                                    "subfolder", "proxies") if k in kwargs}
+
+
+def _weights_path(name: str, kwargs: dict) -> str:
+    """The weights file of a local checkpoint (`model.safetensors`, or the index of its shards); else `name`."""
+    if not os.path.isdir(name):
+        return name
+    single = os.path.join(name, kwargs.get("subfolder") or "", "model.safetensors")
+    index = single + ".index.json"
+    return index if not os.path.isfile(single) and os.path.isfile(index) else single
 
 
 def _load_datastore(name, kwargs: dict, config: TreeSparkConfig) -> Datastore | None:

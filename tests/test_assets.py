@@ -54,3 +54,55 @@ def test_the_first_conversion_of_the_default_target_says_so_and_later_loads_do_n
     (converted / "STAMP").write_text(f"{gguf.stat().st_size}-{int(gguf.stat().st_mtime)}")
     assert assets.default_target_path() == converted
     assert capsys.readouterr().err == ""  # already converted: nothing to say
+
+
+READ_ONLY_HOME_SCRIPT = """
+import sys
+import types
+from pathlib import Path
+
+import transformers
+
+
+class StandIn:  # the conversion's model and tokenizer, without the 20 s of dequantising
+    def __init__(self):
+        self.config = types.SimpleNamespace(quantization_config=None)
+        self.hf_quantizer = None
+
+    def save_pretrained(self, path):
+        Path(path).mkdir(parents=True, exist_ok=True)
+        (Path(path) / "weights.bin").write_bytes(bytes(1000))
+
+
+transformers.AutoModelForCausalLM.from_pretrained = lambda *args, **kwargs: StandIn()
+transformers.AutoTokenizer.from_pretrained = lambda *args, **kwargs: StandIn()
+from hf_treespark import assets
+
+path = assets.default_target_path()
+assert (path / "weights.bin").is_file() and assets.default_target_path() == path
+print(path)
+"""
+
+
+def test_a_read_only_home_converts_for_the_process_only_and_leaves_nothing_behind(tmp_path):
+    """Where the cache cannot be written, the converted target lives in a temporary directory that is gone when the
+    process exits, and the one message on stderr says so (no 'later runs load' a directory about to vanish)."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "home").write_text("a file: nothing can be created below it, whoever asks")
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "HF_TREESPARK_CACHE"}
+    env.update(HOME=str(tmp_path / "home" / "me"), TMPDIR=str(temp))
+    proc = subprocess.run([sys.executable, "-c", READ_ONLY_HOME_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    converted = proc.stdout.strip()
+    assert converted.startswith(str(temp))  # it existed, with the weights, while the process ran
+    assert not [p.name for p in temp.iterdir() if p.name.startswith("hf_treespark")]
+    said = [line for line in proc.stderr.splitlines() if "hf_treespark" in line]
+    assert len(said) == 1, said
+    assert "for this process only" in said[0] and "removed when the process exits" in said[0]
+    assert "HF_TREESPARK_CACHE" in said[0] and "later runs" not in said[0]
