@@ -8,6 +8,7 @@ import multiprocessing
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,14 +17,14 @@ import pytest
 import torch
 from conftest import make_drafter, make_target
 
-from hf_treespark import TreeSparkConfig, TreeSparkDrafter, budget
+from hf_treespark import TreeSparkConfig, TreeSparkDrafter, budget, latency
 from hf_treespark.tree import TreePolicy
 
 
 @pytest.fixture
 def latency_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_TREESPARK_CACHE", str(tmp_path))
-    monkeypatch.setattr(budget, "_warned", set())  # each test sees its own first warnings
+    monkeypatch.setattr(latency, "_warned", set())  # each test sees its own first warnings
     return tmp_path / budget.LATENCY_FILE
 
 
@@ -70,14 +71,14 @@ def test_latency_is_measured_once_and_cached(latency_cache, monkeypatch):
     drafter = make_drafter(target)
     policy = TreePolicy(budget=8)
     calls = []
-    monkeypatch.setattr(budget, "measure_round_latency", lambda *a, **k: calls.append(1) or steady_table((2, 8)))
+    monkeypatch.setattr(latency, "measure_round_latency", lambda *a, **k: calls.append(1) or steady_table((2, 8)))
     first = budget.round_latency(target, drafter, policy, budgets=(2, 8), context=16)
     # verify[0] is a plain step (one token), the drafter gate's unit
     assert set(first["verify"]) == {0, 2, 8} and all(s > 0 for s in first["verify"].values())
     second = budget.round_latency(target, drafter, policy, budgets=(2, 8), context=16)
     assert len(calls) == 1 and second == first
     latency_cache.write_text("{ not json")  # a damaged cache is measured again, not trusted
-    monkeypatch.setattr(budget, "_in_memory", {})  # as in a new process, which reads the file
+    monkeypatch.setattr(latency, "_in_memory", {})  # as in a new process, which reads the file
     with pytest.warns(budget.LatencyCacheWarning, match="not JSON"):
         budget.round_latency(target, drafter, policy, budgets=(2, 8), context=16)
     assert len(calls) == 2 and json.loads(latency_cache.read_text())
@@ -260,21 +261,21 @@ def test_a_directory_as_the_cache_path_is_found_before_measuring(latency_cache, 
     target = make_target("llama")
     drafter = make_drafter(target, tree_budget="auto")
     events = []
-    monkeypatch.setattr(budget, "measure_round_latency",
+    monkeypatch.setattr(latency, "measure_round_latency",
                         lambda *a, **k: events.append("measure") or steady_table(a[3]))
-    monkeypatch.setattr(budget, "warnings", SimpleNamespace(warn=lambda message, *a, **k: events.append(message)))
-    latency = budget.calibrate_latency(target, drafter)
+    monkeypatch.setattr(latency, "warnings", SimpleNamespace(warn=lambda message, *a, **k: events.append(message)))
+    table = budget.calibrate_latency(target, drafter)
     assert events[1:] == ["measure"]  # one warning, before measuring
     assert "is a directory" in events[0] and "HF_TREESPARK_CACHE" in events[0]
-    assert latency is not None and budget.has_latency(target, drafter)  # kept for this process
+    assert table is not None and budget.has_latency(target, drafter)  # kept for this process
     assert latency_cache.is_dir()
 
 
 @pytest.mark.skipif(not Path("/proc/self").exists(), reason="needs a location nobody can create (Linux /proc)")
 def test_an_unwritable_cache_location_means_no_caching_and_a_correct_answer(monkeypatch):
     monkeypatch.setenv("HF_TREESPARK_CACHE", "/proc/hf_treespark_cannot_exist")
-    monkeypatch.setattr(budget, "_warned", set())
-    monkeypatch.setattr(budget, "measure_round_latency", lambda *a, **k: steady_table(a[3]))
+    monkeypatch.setattr(latency, "_warned", set())
+    monkeypatch.setattr(latency, "measure_round_latency", lambda *a, **k: steady_table(a[3]))
     target = make_target("llama")
     drafter = make_drafter(target, tree_budget="auto")
     with pytest.warns(budget.LatencyCacheWarning, match="HF_TREESPARK_CACHE"):
@@ -287,7 +288,7 @@ def test_an_unwritable_cache_location_means_no_caching_and_a_correct_answer(monk
 def _store_many(path: str, prefix: str, start, count: int) -> None:
     start.wait()
     for i in range(count):
-        budget._store(Path(path), f"{prefix}{i}", {"verify": {"0": 0.01}, "draft": {}})
+        latency._store(Path(path), f"{prefix}{i}", {"verify": {"0": 0.01}, "draft": {}})
 
 
 def test_two_processes_writing_at_once_lose_nothing(latency_cache):
@@ -305,6 +306,24 @@ def test_two_processes_writing_at_once_lose_nothing(latency_cache):
     assert set(table) == {f"{p}{i}" for p in ("fp32-", "bf16-") for i in range(25)}
 
 
+def test_a_writer_waits_for_the_lock_beside_the_cache_even_without_fcntl(latency_cache, monkeypatch):
+    """The lock file beside the cache (`filelock`) holds on every platform: a second writer waits for it, then
+    merges what the first one wrote."""
+    from filelock import FileLock
+
+    monkeypatch.setattr(latency, "fcntl", None, raising=False)  # as on Windows, which has no fcntl
+    entry = {"verify": {"0": 0.01}, "draft": {}}
+    with FileLock(f"{latency_cache}.lock"):
+        writer = threading.Thread(target=latency._store, args=(latency_cache, "second", entry))
+        writer.start()
+        writer.join(0.5)
+        assert writer.is_alive() and not latency_cache.exists()  # waiting for the lock, nothing written
+        latency_cache.write_text(json.dumps({"first": entry}))  # what the lock's holder writes
+    writer.join(30)
+    assert not writer.is_alive()
+    assert set(json.loads(latency_cache.read_text())) == {"first", "second"}
+
+
 @pytest.mark.parametrize(("load", "shape_ok"), [(1.2, True), (0.0, False)])
 def test_a_measurement_that_fails_its_check_twice_is_not_stored(latency_cache, monkeypatch, load, shape_ok):
     target = make_target("llama")
@@ -318,7 +337,7 @@ def test_a_measurement_that_fails_its_check_twice_is_not_stored(latency_cache, m
             table["draft"][2] = 0.339
         return table
 
-    monkeypatch.setattr(budget, "measure_round_latency", measure)
+    monkeypatch.setattr(latency, "measure_round_latency", measure)
     with pytest.warns(budget.LatencyCacheWarning, match="not stored.*uses its default"):
         assert budget.calibrate_latency(target, drafter) is None
     assert len(calls) == 2 and not budget.has_latency(target, drafter)
@@ -334,11 +353,11 @@ def test_after_an_untrusted_measurement_new_processes_wait_before_measuring_agai
     drafter = make_drafter(target, tree_budget="auto", acceptance_profile={"2": 1.5, "4": 1.6})
     calls = []
     loads = [1.5, 1.5, 0.0]  # busy twice (not stored), then quiet
-    monkeypatch.setattr(budget, "measure_round_latency",
+    monkeypatch.setattr(latency, "measure_round_latency",
                         lambda *a, **k: calls.append(1) or steady_table(a[3], loads.pop(0)))
     with pytest.warns(budget.LatencyCacheWarning, match="not stored"):
         budget.ensure_latency(target, drafter, quiet=True)
-    monkeypatch.setattr(budget, "_untrusted", set())  # a new process
+    monkeypatch.setattr(latency, "_untrusted", set())  # a new process
     budget.ensure_latency(target, drafter)
     assert len(calls) == 2 and "was not trusted" in capsys.readouterr().err  # said, not measured again
     assert budget.auto_budget(target, drafter, TreePolicy.from_config(drafter.config)) == \
@@ -353,7 +372,7 @@ def test_a_measurement_that_passes_on_the_second_try_is_stored(latency_cache, mo
     target = make_target("llama")
     drafter = make_drafter(target, tree_budget="auto")
     loads = [1.5, 0.05]
-    monkeypatch.setattr(budget, "measure_round_latency", lambda *a, **k: steady_table(a[3], loads.pop(0)))
+    monkeypatch.setattr(latency, "measure_round_latency", lambda *a, **k: steady_table(a[3], loads.pop(0)))
     assert budget.calibrate_latency(target, drafter) is not None
     assert not loads and budget.has_latency(target, drafter) and latency_cache.is_file()
 
@@ -458,7 +477,7 @@ def test_calibrate_never_writes_a_profile_that_would_not_load(drafter_dir, monke
 
     target = make_target("llama")
     monkeypatch.setattr(cli, "_load_pair", lambda args: (target, None, TreeSparkDrafter.from_pretrained(drafter_dir)))
-    monkeypatch.setattr(budget, "measure_round_latency", lambda *a, **k: steady_table(a[3]))
+    monkeypatch.setattr(latency, "measure_round_latency", lambda *a, **k: steady_table(a[3]))
     monkeypatch.setattr(budget, "calibrate_acceptance", lambda *a, **k: {"2": 0.0})  # as 0 prompts once gave
     monkeypatch.setattr(cli, "_calibration_prompts", lambda args, tokenizer: [{"input_ids": torch.ones(1, 3)}])
     before = (drafter_dir / "config.json").read_text()
@@ -474,7 +493,7 @@ def test_calibrate_shows_the_latency_table_and_the_budget_it_implies(drafter_dir
     target = make_target("llama")
     monkeypatch.setattr(cli, "_load_pair", lambda args: (target, None, TreeSparkDrafter.from_pretrained(drafter_dir)))
     calls = []
-    monkeypatch.setattr(budget, "measure_round_latency", lambda *a, **k: calls.append(1) or steady_table(a[3]))
+    monkeypatch.setattr(latency, "measure_round_latency", lambda *a, **k: calls.append(1) or steady_table(a[3]))
     assert cli.main(["calibrate", "--drafter", str(drafter_dir), "--latency-only"]) == 0
     assert cli.main(["calibrate", "--drafter", str(drafter_dir), "--latency-only"]) == 0
     assert len(calls) == 1  # cached
@@ -490,7 +509,7 @@ def test_without_a_trusted_latency_auto_prices_a_calibrated_drafter_with_the_def
     drafter = make_drafter(target, tree_budget="auto", acceptance_profile=profile)
     policy = TreePolicy.from_config(drafter.config)
     cost = budget.DEFAULT_CPU_ROUND_COST["float32"]
-    budgets = [n for n in budget._budgets_for(policy) if n in cost]
+    budgets = [n for n in latency.candidate_budgets(policy) if n in cost]
     best = max(budgets, key=lambda n: budget.profile_acceptance(profile, [n])[n] / cost[n])
     assert budget.auto_budget(target, drafter, policy) == best == budget.fallback_budget(target, policy, drafter)
     # the same choice on a machine whose measurement could not be trusted, and without a profile the constant
@@ -503,7 +522,7 @@ def test_the_batch_bench_measures_each_batch_size_it_prices_once(latency_cache, 
     target = make_target("llama")
     drafter = make_drafter(target, tree_budget="auto", acceptance_profile={"2": 1.5, "4": 1.6})
     measured = []
-    monkeypatch.setattr(budget, "measure_round_latency",
+    monkeypatch.setattr(latency, "measure_round_latency",
                         lambda *a, **k: measured.append(k["batch"]) or steady_table(a[3]))
     budget.ensure_batch_latency(target, drafter, [1, 2, 3, 4])
     assert measured == [2, 4]  # 3 rows are priced by the 4-row measurement; one row is ensure_latency's

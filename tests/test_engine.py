@@ -191,7 +191,8 @@ def test_training_init_from_the_shipped_auto_budget_drafter_runs(tmp_path):
 def test_auto_budget_never_measures_inside_generate(tmp_path, monkeypatch):
     """No cached latency: "auto" takes the fallback budget; one target forward per round, nothing written."""
     monkeypatch.setenv("HF_TREESPARK_CACHE", str(tmp_path))
-    monkeypatch.setattr(budget, "measure_round_latency", lambda *a, **k: pytest.fail("generate measured latency"))
+    monkeypatch.setattr("hf_treespark.latency.measure_round_latency",
+                        lambda *a, **k: pytest.fail("generate measured latency"))
     target = make_target("llama")
     drafter = make_drafter(target, tree_budget="auto")
     ids = torch.randint(4, 100, (1, 9), generator=torch.Generator().manual_seed(3))
@@ -216,7 +217,8 @@ def test_auto_budget_after_calibration_packs_the_first_pool_once(tmp_path, monke
     drafter = make_drafter(target, tree_budget="auto", acceptance_profile=profile)
     steady = {"verify": {n: 0.002 * (1 + n / 16) for n in (0, *budget.CANDIDATE_BUDGETS)},
               "draft": {n: 0.001 for n in budget.CANDIDATE_BUDGETS}, "others_load": 0.0}
-    monkeypatch.setattr(budget, "measure_round_latency", lambda *a, **k: steady)  # this machine's load aside
+    # this machine's load aside
+    monkeypatch.setattr("hf_treespark.latency.measure_round_latency", lambda *a, **k: steady)
     budget.calibrate_latency(target, drafter)
     assert budget.has_latency(target, drafter)
     from hf_treespark import engine
