@@ -135,6 +135,8 @@ class BatchedSession:
         self.context = drafter.new_context_cache()
         self.timer = timer
         self.choose_budget = choose_budget
+        self.policy = policy  # every row's (`set_budget`), kept here too: the session outlives its last row
+        self.max_nodes: int | None = None
         self.planners = [RowPlanner(policy, gate, datastore, timer) for _ in range(batch_size)]
         self.gate = BatchGate(gate) if policy.lookup else None  # one for the batch: the pass serves every row
         for planner in self.planners:
@@ -149,20 +151,17 @@ class BatchedSession:
         return self.timer(name) if self.timer is not None else nullcontext()
 
     @property
-    def policy(self) -> TreePolicy:
-        return self.planners[0].policy
-
-    @property
     def budget(self) -> int:
         """The drafter's budget per row; 0: plain steps."""
-        return 0 if self.planners[0].max_nodes == 0 else self.policy.budget
+        return 0 if self.max_nodes == 0 else self.policy.budget
 
     def set_budget(self, budget: int) -> None:
         """Every row's budget from the next round on; 0: plain steps (the root alone, no drafter, no branches)."""
+        if budget > 0:
+            self.policy = self.policy.with_budget(budget)
+        self.max_nodes = budget + EXTRA_NODES if budget > 0 else 0
         for planner in self.planners:
-            if budget > 0:
-                planner.policy = planner.policy.with_budget(budget)
-            planner.max_nodes = budget + EXTRA_NODES if budget > 0 else 0
+            planner.policy, planner.max_nodes = self.policy, self.max_nodes
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -12,21 +12,21 @@ from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
+from .records import json_records
+
 ID_FIELDS = ("response_ids", "output_ids", "input_ids", "ids")
 TEXT_FIELDS = ("response", "text", "output", "completion")
 
 
 def count_token_ids(paths: Iterable[str | Path], tokenizer=None, vocab_size: int | None = None) -> Counter:
     """Token-id counts over JSONL files (`.jsonl`, or `.jsonl.gz` compressed, read as `treespark train` reads its
-    data: `training.data.json_records`): each line's first id list (`response_ids`, `output_ids`, `input_ids`,
+    data: `records.json_records`): each line's first id list (`response_ids`, `output_ids`, `input_ids`,
     `ids`) or, failing that, its first text field (`response`, `text`, ...) tokenised with `tokenizer` (no
     special tokens added).
 
     Raises `ValueError` naming the file and line it cannot read (not UTF-8, not JSON, no ids or text, ids that
     are not integers >= 0 or, given `vocab_size`, not below it), and naming a file that holds no token id at all
     (empty, or only empty lists): it cannot rank a vocabulary."""
-    from .training.data import json_records
-
     counts: Counter = Counter()
     for path in map(Path, paths):
         if not path.is_file():

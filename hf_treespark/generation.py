@@ -427,8 +427,8 @@ def batched_decoding(model, drafter, input_ids: torch.Tensor, logits_processor: 
     the rows left (greedy without logits processors), transformers' own loop decodes them to their ends from the
     session's cache (`_finish_plain`; each plain step is recorded as a round of one token). With
     `return_dict_in_generate=True`: `rounds`, `acceptance_length` and `acceptance_by_depth` are per row (lists of
-    B), `tree_budget` the budget of the first round; no cache is returned (the batch's cache is ragged, and
-    finished rows leave it).
+    B), `tree_budget` the budget of the first round (None where every row ended at its first token before "auto"
+    chose one); no cache is returned (the batch's cache is ragged, and finished rows leave it).
     """
     mask = check_batch(input_ids, model_kwargs.get("attention_mask"), generation_config, streamer)
     rows = input_ids.shape[0]

@@ -18,16 +18,24 @@ and transformers' assisted-decoding knobs (`num_assistant_tokens`, ...) that mea
 tree drafter are removed with a one-time warning. `pipeline("text-generation",
 assistant_model=drafter)` skips transformers' tokenizer comparison: the drafter drafts the
 target's own token ids.
+
+What the routing can judge before transformers does, it refuses by name: an `assistant_model` that
+is not a model (`generate` takes the drafter itself, never a path; a pipeline takes a path or repo
+id too, and a local path with nothing there is named), and a drafter directory given as
+`custom_generate` whose `custom_generate/` is damaged (the file is named, with the remedy: save the
+drafter again).
 """
 
 from __future__ import annotations
 
+import ast
 import copy
 import functools
 import inspect
 import os
 import warnings
 
+import torch
 from transformers import GenerationMixin, StoppingCriteriaList, StopStringCriteria
 
 from .generation import treespark_decoding
@@ -139,12 +147,63 @@ def _supports_custom_generate() -> bool:
     return "custom_generate" in inspect.signature(_ORIGINAL_GENERATE).parameters
 
 
+def _not_a_model(assistant) -> str:
+    """Why `generate(assistant_model=...)` cannot take `assistant`, a value that is not a model."""
+    if isinstance(assistant, (str, os.PathLike)):
+        path = os.fspath(assistant)
+        if not os.path.exists(path):
+            return (f"assistant_model={path!r}: no such directory; generate() takes the drafter itself, not a path: "
+                    "pass hf_treespark.TreeSparkDrafter.from_pretrained(<its directory or Hub repo id>)")
+        return (f"assistant_model={path!r} is a path: generate() takes the drafter itself: pass "
+                f"hf_treespark.TreeSparkDrafter.from_pretrained({path!r})")
+    return (f"assistant_model={assistant!r:.60} ({type(assistant).__name__}) is not a model: pass a TreeSpark drafter "
+            "(hf_treespark.TreeSparkDrafter.from_pretrained(...)) or another transformers assistant model")
+
+
+def _custom_generate_problem(folder: str) -> str | None:
+    """What is wrong with the `custom_generate/` of a local drafter directory (`folder`), or None: `generate.py`
+    missing or without a `generate` function, or a module of it that is not valid Python. transformers would
+    otherwise fail while importing it, with a SyntaxError or AttributeError that names neither the drafter nor
+    the remedy."""
+    code = os.path.join(folder, "custom_generate")
+    entry = os.path.join(code, "generate.py")
+    if not os.path.isfile(entry):
+        return f"{entry} is missing"
+    for name in ["generate.py", *sorted(n for n in os.listdir(code) if n.endswith(".py") and n != "generate.py")]:
+        path = os.path.join(code, name)
+        try:
+            with open(path, "rb") as handle:
+                tree = ast.parse(handle.read(), filename=path)
+        except SyntaxError as err:
+            line = f", line {err.lineno}" if err.lineno else ""
+            return f"{path} is not valid Python ({err.msg}{line})"
+        except (ValueError, OSError) as err:
+            return f"{path} is not valid Python ({err})"
+        if name == "generate.py" and not any(isinstance(node, ast.FunctionDef) and node.name == "generate"
+                                             for node in tree.body):
+            return f"{path} defines no generate function"
+    return None
+
+
+def _check_custom_generate(custom) -> None:
+    """Refuse a local drafter directory whose `custom_generate/` is damaged, naming the file and the remedy."""
+    folder = os.fspath(custom)
+    if not os.path.isdir(folder):
+        return  # a Hub repo id: transformers fetches and loads it
+    problem = _custom_generate_problem(folder)
+    if problem is not None:
+        raise ValueError(f"custom_generate={folder!r}: {problem}. Re-save the drafter there "
+                         f"(drafter.save_pretrained({folder!r})) to write custom_generate/ again.")
+
+
 @functools.wraps(_ORIGINAL_GENERATE)
 def _generate(self, *args, **kwargs):
     bound = inspect.signature(_ORIGINAL_GENERATE).bind_partial(self, *args, **kwargs)
     arguments = bound.arguments
     extra = arguments.pop("kwargs", {})
     assistant = arguments.get("assistant_model")
+    if assistant is not None and not isinstance(assistant, torch.nn.Module):
+        raise TypeError(_not_a_model(assistant))
     if not is_treespark_drafter(assistant):
         stray = [k for k in TREE_KWARGS if k in extra]
         if stray:
@@ -152,6 +211,7 @@ def _generate(self, *args, **kwargs):
         return _ORIGINAL_GENERATE(self, *args, **kwargs)
     custom = arguments.get("custom_generate")
     if isinstance(custom, (str, os.PathLike)):  # a drafter repo's custom_generate/ recipe: TreeSpark decoding too
+        _check_custom_generate(custom)
         return _ORIGINAL_GENERATE(self, *args, **kwargs)
     if custom is not None:
         raise ValueError("custom_generate cannot be combined with a TreeSpark assistant_model")
@@ -177,14 +237,23 @@ def _load_assistant_model(model, assistant_model, assistant_tokenizer):
     """transformers' pipeline `load_assistant_model`, accepting a TreeSpark drafter (object, path or repo id).
 
     The drafter needs no assistant tokenizer: it drafts the target's token ids (`bind_target`
-    refuses a target whose vocabulary differs).
+    refuses a target whose vocabulary differs). Refused by name: a value that is neither a model nor a path or
+    repo id, and a local path (absolute, or starting with `.` or `~`) with nothing there.
     """
+    if assistant_model is not None and not isinstance(assistant_model, (str, os.PathLike, torch.nn.Module)):
+        raise TypeError(f"assistant_model={assistant_model!r:.60} ({type(assistant_model).__name__}) is not a model: "
+                        "pass a TreeSpark drafter, or the directory or Hub repo id of one")
     if isinstance(assistant_model, (str, os.PathLike)) and model.can_generate():
         from transformers import AutoConfig
 
+        assistant_model = os.fspath(assistant_model)
         try:
             model_type = AutoConfig.from_pretrained(assistant_model).model_type
         except (OSError, ValueError):
+            if _looks_local(assistant_model) and not os.path.exists(os.path.expanduser(assistant_model)):
+                raise FileNotFoundError(f"assistant_model={assistant_model!r}: no such directory: pass a saved "
+                                        "drafter's directory, its Hub repo id ('org/name'), or the drafter itself"
+                                        ) from None
             model_type = None  # not a config we can read: transformers' own loader says why
         if model_type == "treespark":
             from .modeling import TreeSparkDrafter
@@ -194,6 +263,11 @@ def _load_assistant_model(model, assistant_model, assistant_tokenizer):
     if is_treespark_drafter(assistant_model):
         return (assistant_model, None) if model.can_generate() else (None, None)
     return _ORIGINAL_LOAD_ASSISTANT_MODEL(model, assistant_model, assistant_tokenizer)
+
+
+def _looks_local(name: str) -> bool:
+    """True for a path that cannot be a Hub repo id (absolute, relative to `.`, or under `~`)."""
+    return os.path.isabs(name) or name.startswith((".", "~"))
 
 
 def _install_pipeline_support() -> None:

@@ -306,3 +306,27 @@ def test_batch_size_options_are_checked():
     for bad in ("", "0", "2,x", "-4"):
         with pytest.raises(ValueError, match="--batch-size"):
             batch_sizes_option(bad)
+
+
+@pytest.mark.parametrize("sizes", [[5, 12], [1, 9, 4]])
+@pytest.mark.parametrize("ending", ["max_new_tokens=1", "first token an EOS"])
+def test_a_batch_whose_rows_all_end_at_their_first_token_returns_what_plain_generate_returns(sizes, ending):
+    target = make_target("llama", "sdpa")
+    ids, mask = padded_batch(sizes, seed=7)
+    if ending == "max_new_tokens=1":
+        knobs = {"max_new_tokens": 1}
+    else:  # every row's greedy first token is an end-of-sequence token
+        first = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=1, pad_token_id=0)
+        knobs = {"max_new_tokens": 8, "eos_token_id": sorted(set(first[:, -1].tolist()))}
+    ref = target.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=0, **knobs)
+    assert ref.shape[1] == ids.shape[1] + 1
+    out = target.generate(ids, attention_mask=mask, assistant_model=make_drafter(target), do_sample=False,
+                          pad_token_id=0, return_dict_in_generate=True, **knobs)
+    assert torch.equal(out.sequences, ref)
+    assert out.rounds == [[]] * len(sizes) and out.acceptance_length == [0.0] * len(sizes)
+    depth = budget.TreePolicy.from_config(make_drafter(target).config).depth
+    assert out.acceptance_by_depth == [[0.0] * depth] * len(sizes)
+    assert out.tree_budget == 12
+    plain = target.generate(ids, attention_mask=mask, assistant_model=make_drafter(target), do_sample=False,
+                            pad_token_id=0, **knobs)
+    assert torch.equal(plain, ref)

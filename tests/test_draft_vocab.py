@@ -232,11 +232,13 @@ def test_draft_vocab_command_refuses_an_empty_file_and_a_bad_size_before_writing
 
 @pytest.mark.slow
 def test_draft_vocab_command_restricts_the_shipped_drafter(tmp_path, capsys):
+    import gzip
+
     from hf_treespark.cli import main
 
-    data = tmp_path / "refs.jsonl"
-    shared = Path(__file__).resolve().parents[2] / "shared" / "data" / "sharegpt_smollm2_regen.jsonl"
-    with open(shared) as src, open(data, "w") as out:
+    data = tmp_path / "refs.jsonl"  # the target's own answers, as the repository keeps them (training_data/)
+    kept = Path(__file__).resolve().parents[1] / "training_data" / "sharegpt_turns_smollm2_regen.jsonl.gz"
+    with gzip.open(kept, "rt", encoding="utf-8") as src, open(data, "w") as out:
         for _, line in zip(range(200), src, strict=False):
             out.write(json.dumps({"response_ids": json.loads(line)["response_ids"]}) + "\n")
     assert main(["draft-vocab", "--data", str(data), "--size", "4096", "--output", str(tmp_path / "small")]) == 0
@@ -244,3 +246,19 @@ def test_draft_vocab_command_restricts_the_shipped_drafter(tmp_path, capsys):
     drafter = TreeSparkDrafter.from_pretrained(tmp_path / "small")
     assert drafter.config.draft_vocab_size == 4096 and drafter.markov_head.markov_w2.weight.shape[0] == 4096
     assert main(["draft-vocab", "--data", str(data), "--output", str(tmp_path / "small")]) == 2  # not empty
+
+
+def test_ranking_reads_its_records_without_the_training_package():
+    """`draft_vocab` sits below `training/` (tests/test_structure.py's layers): the JSONL reader both use lives in
+    `records.py`, and `training.data.json_records` is that same function."""
+    import ast
+
+    import hf_treespark.draft_vocab as draft_vocab
+    from hf_treespark import records
+    from hf_treespark.training import data
+
+    tree = ast.parse(Path(draft_vocab.__file__).read_text())
+    imported = {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    assert not [name for name in imported if "training" in name.split(".")], imported
+    assert data.json_records is records.json_records

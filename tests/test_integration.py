@@ -114,3 +114,48 @@ def test_no_warning_without_assisted_knobs(monkeypatch):
         warnings.simplefilter("error", UserWarning)
         target.generate(torch.tensor([[1, 5, 9]]), assistant_model=drafter, do_sample=False, max_new_tokens=6,
                         generation_config=GenerationConfig(do_sample=False, max_new_tokens=6))
+
+
+def test_generate_names_an_assistant_model_that_is_not_a_model(llama_pair, tmp_path):
+    target, drafter = llama_pair
+    ids = torch.tensor([[1, 5, 9]])
+    with pytest.raises(TypeError, match=r"assistant_model=123 \(int\) is not a model: pass a TreeSpark drafter"):
+        target.generate(ids, assistant_model=123, max_new_tokens=4)
+    missing = str(tmp_path / "no_drafter_here")
+    with pytest.raises(TypeError, match=f"assistant_model='{missing}': no such directory"):
+        target.generate(ids, assistant_model=missing, max_new_tokens=4)
+    drafter.save_pretrained(tmp_path / "drafter")
+    with pytest.raises(TypeError, match=r"is a path: generate\(\) takes the drafter itself.*from_pretrained"):
+        target.generate(ids, assistant_model=tmp_path / "drafter", max_new_tokens=4)
+
+
+def test_a_pipeline_names_an_assistant_model_that_is_not_a_model_or_a_directory(llama_pair, tmp_path):
+    from transformers import AutoTokenizer
+
+    target, _ = llama_pair
+    tokenizer = AutoTokenizer.from_pretrained(assets.default_target_path())
+    with pytest.raises(TypeError, match=r"assistant_model=123 \(int\) is not a model.*directory or Hub repo id"):
+        pipeline("text-generation", model=target, tokenizer=tokenizer, assistant_model=123)
+    missing = str(tmp_path / "no_drafter_here")
+    with pytest.raises(FileNotFoundError, match=f"assistant_model='{missing}': no such directory"):
+        pipeline("text-generation", model=target, tokenizer=tokenizer, assistant_model=missing)
+
+
+@pytest.mark.parametrize("damage", [
+    ("generate.py", "def generate(model, **kwargs:\n", "is not valid Python"),
+    ("engine.py", "\x00", "is not valid Python"),
+    ("generate.py", "x = 1\n", "defines no generate"),
+    ("generate.py", None, "is missing"),
+])
+def test_a_damaged_custom_generate_folder_is_named_with_what_to_do(llama_pair, tmp_path, damage):
+    target, drafter = llama_pair
+    name, text, problem = damage
+    drafter.save_pretrained(tmp_path / "drafter")
+    path = tmp_path / "drafter" / "custom_generate" / name
+    if text is None:
+        path.unlink()
+    else:
+        path.write_text(text)
+    with pytest.raises(ValueError, match=rf"custom_generate/{name}.*{problem}.*save_pretrained"):
+        target.generate(torch.tensor([[1, 5, 9]]), assistant_model=drafter, max_new_tokens=4,
+                        custom_generate=str(tmp_path / "drafter"), trust_remote_code=True)
