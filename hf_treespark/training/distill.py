@@ -1,0 +1,477 @@
+"""Distilling the depth-1 head from any text: the target's own argmax at every position, teacher-forced.
+
+`treespark train-depth1` (`depth1.py`) labels a position with the next token of a response the target generated:
+generation is slow and its positions fill disks. Here the label of anchor `a` is what the target itself would produce
+there, `argmax p_target(. | x_0..x_a)`, read from ONE teacher-forced forward over any text: a forward of `T` tokens
+labels up to `T - 1` positions, and nothing is generated. On the target's own greedy text the label is `x_{a+1}`,
+`train-depth1`'s, and the fields extracted are the same (tests/test_distill.py).
+
+    sources   ShareGPT conversations (outside the held-out band), .txt files, chat JSONL, cut into windows of
+              `max_length` tokens whose anchors are the assistant turns' tokens or all (`distill_sources.py`)
+    extract   B windows per target forward (right-padded): the features at `drafter.config.target_layer_ids` and the
+              label `argmax lm_head(h_final[a])`; then drafter passes, the depth-1 head off, for the anchor-slot state
+              `h_1`; out come `depth1.FIELDS`: features at `a - 1` and `h_1` in bf16, `x_a`, the label
+    train     `Depth1Trainer`'s optimizer, logits and learning rate, on batches drawn from a ring buffer of the last
+              `buffer_positions` positions (nothing stored; `passes` samples per position on average), checkpointed
+              with the stream's place; or (`max_disk_gb`) the positions stored as `PositionShards`, then trained as
+              `train-depth1` trains its own
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from ..engine import feature_indices, last_logits_only, select_features
+from .depth1 import (
+    FIELDS,
+    SHARD_POSITIONS,
+    Depth1Trainer,
+    PositionShards,
+    block_signature,
+    extract,
+    grow_depth1_head,
+    head_off,
+)
+from .distill_sources import POSITIONS, SHAREGPT, TextSequence, check_sources, sources_fingerprint, text_sequences
+
+LABELS = "the target's argmax at each position of the given text, teacher-forced; not generated responses"
+HELP = "train a drafter's depth-1 head on positions distilled from any text (resumable; see --help)"
+
+
+# ----- extraction ---------------------------------------------------------------------------------------------
+
+
+def position_bytes(drafter) -> int:
+    """Bytes of one stored position: features and `h_1` in bf16, token and label as int64."""
+    config = drafter.config
+    return 2 * config.num_target_features * config.target_hidden_size + 2 * config.hidden_size + 16
+
+
+def _tick(seconds: dict | None, phase: str, since: float, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    now = time.perf_counter()
+    if seconds is not None:
+        seconds[phase] = seconds.get(phase, 0.0) + now - since
+    return now
+
+
+@torch.no_grad()
+def distil_batch(target, drafter, sequences: list[TextSequence], chunk: int = 96, pieces_per_pass: int = 4,
+                 seconds: dict | None = None) -> dict[str, torch.Tensor]:
+    """The labelled positions of `sequences`, row by row: `{"features": [n, n_layers * d_target] bf16 (at a - 1),
+    "hidden": [n, H] bf16 (h_1, the head off), "token": [n] (x_a), "label": [n] (the target's argmax at a)}`.
+
+    One target forward over the right-padded batch, then drafter passes of `pieces_per_pass` pieces of at most
+    `chunk` anchors of one row each. `seconds`, if given, adds the wall time of each phase (`target`, `drafter`)."""
+    device = next(target.parameters()).device
+    clock = time.perf_counter()
+    width = max(len(s.input_ids) for s in sequences)
+    ids = torch.zeros(len(sequences), width, dtype=torch.long)
+    attention, labelled = torch.zeros_like(ids), torch.zeros_like(ids, dtype=torch.bool)
+    for row, s in enumerate(sequences):
+        ids[row, :len(s.input_ids)] = torch.tensor(s.input_ids)
+        attention[row, :len(s.input_ids)] = 1
+        labelled[row, :len(s.input_ids)] = torch.tensor(s.labelled)
+    if ids.numel() and (ids.min() < 0 or ids.max() >= target.config.vocab_size):
+        bad = next(s.id for s in sequences if not all(0 <= t < target.config.vocab_size for t in s.input_ids))
+        raise ValueError(f"{bad} holds token ids outside the target's vocabulary (0..{target.config.vocab_size - 1}): "
+                         "was it tokenised for another target?")
+    ids, attention, labelled = ids.to(device), attention.to(device), labelled.to(device)
+    out = target(input_ids=ids, attention_mask=attention, output_hidden_states=True, use_cache=False,
+                 **last_logits_only(target))
+    features = select_features(out.hidden_states, feature_indices(drafter.config.target_layer_ids))
+    rows, cols = labelled.nonzero(as_tuple=True)  # row-major, positions ascending
+    final, head = out.hidden_states[-1][rows, cols], target.get_output_embeddings()
+    label = torch.cat([head(final[i:i + 1024]).argmax(-1) for i in range(0, max(len(rows), 1), 1024)])
+    clock = _tick(seconds, "target", clock, device)
+    hidden = _anchor_states(drafter, ids, features, labelled, chunk, pieces_per_pass)
+    _tick(seconds, "drafter", clock, device)
+    return {"features": features[rows, cols - 1].to(torch.bfloat16), "hidden": hidden.to(torch.bfloat16),
+            "token": ids[rows, cols], "label": label}
+
+
+def _anchor_states(drafter, ids: torch.Tensor, features: torch.Tensor, labelled: torch.Tensor, chunk: int,
+                   pieces_per_pass: int) -> torch.Tensor:
+    """`h_1` `[n, H]` of every labelled anchor (row-major), the depth-1 head off. A pass stacks pieces of rows
+    (padded with their first anchor), each seeing its row's features before the pass's last anchor."""
+    pieces = []
+    for row in range(len(ids)):
+        anchors = labelled[row].nonzero().squeeze(1)
+        pieces += [(row, anchors[s:s + chunk]) for s in range(0, len(anchors), chunk)]
+    states, was_training = [], drafter.training
+    drafter.eval()
+    try:
+        with head_off(drafter):
+            for i in range(0, len(pieces), pieces_per_pass):
+                group = pieces[i:i + pieces_per_pass]
+                width = max(len(a) for _, a in group)
+                positions = torch.stack([torch.cat([a, a[:1].expand(width - len(a))]) for _, a in group])  # [g, w]
+                rows = torch.tensor([row for row, _ in group], device=ids.device)
+                out = drafter(anchor_ids=ids[rows[:, None], positions], anchor_positions=positions,
+                              target_features=features[rows, :int(positions.max())], return_logits=False)
+                first = out.hidden_states.view(len(group), width, drafter.config.block_size, -1)[:, :, 0]
+                states += [first[j, :len(a)] for j, (_, a) in enumerate(group)]
+    finally:
+        drafter.train(was_training)
+    return torch.cat(states) if states else features.new_zeros(0, drafter.config.hidden_size)
+
+
+def _batched(items: Iterable, size: int) -> Iterator[list]:
+    batch = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def distil_to_shards(target, drafter, sequences: Iterable[TextSequence], shards: PositionShards, max_positions: int,
+                     batch_size: int = 8, shard_positions: int = SHARD_POSITIONS, progress: bool = True) -> dict:
+    """Store the positions distilled from `sequences` in `shards`, up to `max_positions` in all, going on after the
+    sequences done (`references_done` counts sequences here; the one cut at the limit counts as done)."""
+    state = shards.progress()
+    columns, pending, done = {k: [] for k in FIELDS}, 0, state["references_done"]
+    batches = _batched(islice(sequences, done, None), batch_size)
+    bar = tqdm(total=max_positions, initial=state["positions"], unit="position", desc="distilling positions",
+               disable=not progress)
+    while state["positions"] + pending < max_positions:
+        batch = next(batches, None)
+        if batch is None:
+            break
+        room = max_positions - state["positions"] - pending
+        for k, v in distil_batch(target, drafter, batch).items():
+            columns[k].append(v[:room].cpu())
+        pending, done = pending + len(columns["label"][-1]), done + len(batch)
+        bar.update(len(columns["label"][-1]))
+        if pending >= shard_positions:
+            state, columns, pending = shards.write(columns, state, done), {k: [] for k in FIELDS}, 0
+    if pending:
+        state = shards.write(columns, state, done)
+    bar.close()
+    return state
+
+
+# ----- streamed training --------------------------------------------------------------------------------------
+
+
+@dataclass
+class StreamConfig:
+    """The knobs of a streamed run (`distil_stream`)."""
+
+    batch_size: int = 8  # sequences per target forward
+    buffer_positions: int = 65_536  # positions the shuffle buffer holds (about 7 KB each for SmolLM2-135M)
+    passes: float = 1.0  # optimizer samples per distilled position, on average
+    max_positions: int = 1_000_000  # positions to distil; the learning-rate schedule spans them
+    eval_every: int = 500  # optimizer steps between development evaluations
+    save_every: int = 500  # optimizer steps between checkpoints
+
+    def total_steps(self, train_batch: int) -> int:
+        return math.ceil(self.passes * self.max_positions / train_batch)
+
+
+class PositionBuffer:
+    """A ring of the last `capacity` positions (the fields of `depth1.FIELDS`), from which training draws uniformly.
+    With `n` new positions per forward a position stays `capacity / n` forwards, so `passes * n / batch` steps per
+    forward sample it `passes` times on average (more while the ring fills)."""
+
+    def __init__(self, capacity: int):
+        self.capacity, self.size, self.cursor = capacity, 0, 0
+        self.data: dict[str, torch.Tensor] | None = None
+
+    def add(self, columns: dict[str, torch.Tensor]) -> None:
+        columns = {k: v[-self.capacity:] for k, v in columns.items()}
+        n = len(columns["label"])
+        if self.data is None:
+            self.data = {k: v.new_empty((self.capacity, *v.shape[1:])) for k, v in columns.items()}
+        slots = (self.cursor + torch.arange(n, device=columns["label"].device)) % self.capacity
+        for k, v in columns.items():
+            self.data[k][slots] = v
+        self.cursor, self.size = (self.cursor + n) % self.capacity, min(self.size + n, self.capacity)
+
+    def sample(self, count: int, seed: int) -> torch.Tensor:
+        rows = torch.randint(self.size, (count,), generator=torch.Generator().manual_seed(seed))
+        return rows.to(self.data["label"].device)
+
+
+class DistilTrainer(Depth1Trainer):
+    """`Depth1Trainer` (its optimizer, logits and learning rate) fed by the stream. Its checkpoint, written whole
+    and atomically, also holds the stream's place (`stream`: sequences done, positions seen, the steps owed, seconds)
+    and `fingerprint` (the sources and the drafter), which a resumed run must match."""
+
+    def __init__(self, drafter, output_dir: str | Path, fingerprint: str, **kwargs):
+        super().__init__(drafter, output_dir, **kwargs)
+        self.draft_index = self.draft_index.to(self.params[0].device)
+        self.fingerprint = fingerprint
+        self.stream = {"sequences_done": 0, "positions_seen": 0, "credit": 0.0, "seconds": 0.0}
+
+    def train_step(self, data: dict[str, torch.Tensor], rows: torch.Tensor, total_steps: int) -> float:
+        """One AdamW step on `rows` of `data` at `rate(total_steps)`: `CE(logits, label)`, as `Depth1Trainer.train`."""
+        self.drafter.train()
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.rate(total_steps)
+        loss = F.cross_entropy(self.logits(data, rows), self.draft_index[data["label"][rows]], ignore_index=-100)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        self.step += 1
+        return loss.item()
+
+    def save(self) -> None:
+        state = {"step": self.step, "head": self.drafter.depth1_head.state_dict(),
+                 "optimizer": self.optimizer.state_dict(), "stream": dict(self.stream), "fingerprint": self.fingerprint}
+        tmp = self.out / "checkpoint.pt.tmp"
+        torch.save(state, tmp)
+        tmp.replace(self.out / "checkpoint.pt")
+
+    def resume(self) -> bool:
+        path = self.out / "checkpoint.pt"
+        if not path.is_file():
+            return False
+        try:
+            state = torch.load(path, weights_only=True)
+        except Exception as e:  # a file cut by a crash: refused, not half-loaded
+            raise ValueError(f"{path} is damaged ({type(e).__name__}: {e}); delete it to start over") from None
+        if state.get("fingerprint") != self.fingerprint:
+            raise ValueError(f"{path} belongs to another run (other --sources, --positions, --max-length or --drafter, "
+                             "or not a distil run): give the same options to resume it, or another --output-dir")
+        self.drafter.depth1_head.load_state_dict(state["head"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step, self.stream = state["step"], dict(state["stream"])
+        return True
+
+
+def distil_stream(target, drafter, sequences: Iterable[TextSequence], trainer: DistilTrainer,
+                  dev: dict[str, dict[str, torch.Tensor]], config: StreamConfig, progress: bool = True) -> list[dict]:
+    """Train `trainer`'s head on the positions distilled from `sequences` as they come, going on from
+    `trainer.stream` (the sequences done are skipped; the buffer starts empty). At the start, every `eval_every`
+    steps and at the end, append to `OUTPUT_DIR/metrics.jsonl` `{"step", "positions_seen" (distilled), "samples",
+    "seconds", "positions_per_s" (distilled per second by this process, evaluation aside), "<phase>_s",
+    "<dev name>_top1"...}`."""
+    stream, total = trainer.stream, config.total_steps(trainer.batch_size)
+    buffer, phases, curve = PositionBuffer(config.buffer_positions), {}, []
+    since = {"start": time.perf_counter(), "eval": 0.0, "positions": stream["positions_seen"],
+             "seconds": stream["seconds"]}
+
+    def elapsed() -> float:
+        return time.perf_counter() - since["start"] - since["eval"]
+
+    def record() -> None:
+        began = time.perf_counter()
+        row = {"step": trainer.step, "positions_seen": stream["positions_seen"],
+               "samples": trainer.step * trainer.batch_size, "seconds": round(since["seconds"] + elapsed(), 1),
+               "positions_per_s": round((stream["positions_seen"] - since["positions"]) / max(elapsed(), 1e-9), 1),
+               **{f"{phase}_s": round(s, 1) for phase, s in phases.items()},
+               **{f"{name}_top1": round(trainer.top1(d), 2) for name, d in dev.items()}}
+        with open(trainer.out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+        curve.append(row)
+        since["eval"] += time.perf_counter() - began
+        bar.write(json.dumps(row))
+
+    def step() -> None:
+        began = time.perf_counter()
+        trainer.train_step(buffer.data, buffer.sample(trainer.batch_size, trainer.seed * 1_000_003 + trainer.step),
+                           total)
+        phases["train"] = phases.get("train", 0.0) + time.perf_counter() - began
+        stream["credit"] -= 1
+        if trainer.step % config.save_every == 0 or trainer.step == total:
+            stream["seconds"] = since["seconds"] + elapsed()
+            trainer.save()
+        if trainer.step % config.eval_every == 0 or trainer.step == total:
+            record()
+
+    bar = tqdm(total=config.max_positions, initial=stream["positions_seen"], unit="position",
+               desc="distilling the depth-1 head", disable=not progress)
+    if trainer.step == 0 and stream["positions_seen"] == 0:
+        record()
+    batches = _batched(islice(sequences, stream["sequences_done"], None), config.batch_size)
+    while stream["positions_seen"] < config.max_positions:
+        batch = next(batches, None)
+        if batch is None:
+            break
+        room = config.max_positions - stream["positions_seen"]
+        columns = {k: v[:room] for k, v in distil_batch(target, drafter, batch, seconds=phases).items()}
+        buffer.add(columns)
+        n = len(columns["label"])
+        stream["sequences_done"] += len(batch)
+        stream["positions_seen"] += n
+        stream["credit"] += config.passes * n / trainer.batch_size
+        bar.update(n)
+        while stream["credit"] >= 1 and trainer.step < total:
+            step()
+    while buffer.size and stream["positions_seen"] >= config.max_positions and trainer.step < total:
+        step()  # the last fraction of a step
+    if buffer.size and (not curve or curve[-1]["step"] != trainer.step):  # the sources ran out first
+        stream["seconds"] = since["seconds"] + elapsed()
+        trainer.save()
+        record()
+    bar.close()
+    trainer.drafter.eval()
+    return curve
+
+
+# ----- the command --------------------------------------------------------------------------------------------
+
+
+def add_arguments(p) -> None:
+    """The options of `treespark distil`."""
+    if p.description is None:
+        p.description = (f"Train a drafter's depth-1 head on positions distilled from text. Labels: {LABELS}. One "
+                         "target forward of T tokens labels up to T - 1 positions; the positions stream through a "
+                         "shuffle buffer (nothing stored) or, with --max-disk-gb, are stored as bf16 shards first. "
+                         "Rerun with the same options to resume.")
+    p.add_argument("--drafter", help="drafter directory to train (grown by a depth-1 head of --width if it has none; "
+                                     "default: the shipped drafter)")
+    p.add_argument("--target", default="default", help="'default' (offline SmolLM2-135M-Instruct) or a name/path")
+    p.add_argument("--sources", nargs="+", default=[SHAREGPT],
+                   help=f"the text to distil, in this order; labels: {LABELS}. 'sharegpt': the packaged ShareGPT "
+                        "conversations, whole, in the target's chat template (never the held-out records "
+                        "12,000-13,999); .txt files (every position); .jsonl[.gz] chats (messages or conversations)")
+    p.add_argument("--positions", choices=POSITIONS, default="assistant",
+                   help="the positions of a chat that are labelled: its assistant turns' tokens (what the drafter "
+                        "drafts), or all")
+    p.add_argument("--max-length", type=int, default=512, help="tokens per window (longer texts are cut into several)")
+    p.add_argument("--batch-size", type=int, default=8, help="windows per target forward")
+    p.add_argument("--train-batch-size", type=int, default=256, help="positions per optimizer step")
+    p.add_argument("--buffer-positions", type=int, default=65_536,
+                   help="positions the shuffle buffer holds (about 7 KB each for SmolLM2-135M)")
+    p.add_argument("--passes", type=float, default=1.0, help="optimizer samples per distilled position, on average")
+    p.add_argument("--max-positions", type=int, default=1_000_000,
+                   help="positions to distil; the learning-rate schedule (warm-up, cosine to a tenth) spans them")
+    p.add_argument("--width", type=int, default=2048, help="the MLP width of a fresh depth-1 head")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    p.add_argument("--max-disk-gb", type=float,
+                   help="store the positions as bf16 shards in OUTPUT_DIR/positions, at most this many GB, then train "
+                        "on them (default: stream them, nothing stored)")
+    p.add_argument("--dev-data", help="development references, prompt_ids and response_ids (default: held-out ShareGPT "
+                                      "prompts 400-431 answered by the target into OUTPUT_DIR/dev_references.jsonl, "
+                                      "as train-depth1's)")
+    p.add_argument("--eval-every", type=int, default=500, help="optimizer steps between development evaluations")
+    p.add_argument("--save-every", type=int, default=500, help="optimizer steps between checkpoints")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-dir", required=True,
+                   help="checkpoint, metrics.jsonl, development positions and the trained drafter (final/); rerun "
+                        "to resume")
+
+
+def check_arguments(args) -> list[str]:
+    """Every option checked before anything loads; returns the sources (`check_sources`)."""
+    least = {"--max-length": (args.max_length, 2), "--batch-size": (args.batch_size, 1),
+             "--train-batch-size": (args.train_batch_size, 1), "--buffer-positions": (args.buffer_positions, 1),
+             "--max-positions": (args.max_positions, 1), "--width": (args.width, 1),
+             "--eval-every": (args.eval_every, 1), "--save-every": (args.save_every, 1)}
+    for flag, (value, minimum) in least.items():
+        if value < minimum:
+            raise ValueError(f"{flag} must be at least {minimum}, got {value}")
+    for flag, value in {"--passes": args.passes, "--lr": args.lr, "--max-disk-gb": args.max_disk_gb}.items():
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{flag} must be a finite number > 0, got {value}")
+    if args.buffer_positions < args.train_batch_size:
+        raise ValueError(f"--buffer-positions {args.buffer_positions} is smaller than --train-batch-size "
+                         f"{args.train_batch_size}: give the buffer a few forwards' positions (--batch-size x "
+                         "--max-length) or more")
+    if Path(args.output_dir).exists() and not Path(args.output_dir).is_dir():
+        raise ValueError(f"--output-dir {args.output_dir} is a file: give a directory")
+    if args.drafter and not (Path(args.drafter) / "config.json").is_file():
+        raise ValueError(f"--drafter {args.drafter} has no config.json: give a drafter directory (e.g. "
+                         "runs/treespark/final)")
+    if args.dev_data and not Path(args.dev_data).is_file():
+        raise ValueError(f"--dev-data {args.dev_data}: no such file")
+    return check_sources(list(args.sources))
+
+
+def claim_output_dir(out: Path, run: dict[str, str]) -> None:
+    """`OUTPUT_DIR/distil.json` says what the run in it distils (`mode`, `sources`, `drafter` fingerprints); a rerun
+    of other options, or a directory of another kind of run, is refused before anything is written."""
+    path, flags = out / "distil.json", {"mode": "--max-disk-gb (stored or streamed)", "drafter": "--drafter or --width",
+                                        "sources": "--sources, --positions, --max-length or --target"}
+    if path.is_file():
+        changed = [flags[k] for k, v in run.items() if json.loads(path.read_text()).get(k) != v]
+        if changed:
+            raise ValueError(f"{out} holds a distil run of other {'; '.join(changed)}: give the same options to "
+                             "resume it, or another --output-dir")
+        return
+    if (out / "checkpoint.pt").exists() or (out / "positions").exists():
+        raise ValueError(f"{out} holds another kind of run (no distil.json): give another --output-dir")
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(run))
+
+
+def run(args) -> int:
+    """`treespark distil`: train a drafter's depth-1 head on positions distilled from `--sources`, streamed or (with
+    --max-disk-gb) stored first; save OUTPUT_DIR/final."""
+    sources = check_arguments(args)
+    from ..assets import DEFAULT_DRAFTER_DIR
+    from ..modeling import TreeSparkDrafter
+    from .cli import load_target
+    from .data import load_references
+    from .evaluate import build_dev_set
+
+    torch.manual_seed(args.seed)
+    out = Path(args.output_dir)
+    target, tokenizer = load_target(args.target, with_tokenizer=True)
+    base = TreeSparkDrafter.from_pretrained(args.drafter or DEFAULT_DRAFTER_DIR, dtype=torch.float32)
+    stored_dtype = base.config.dtype if isinstance(getattr(base.config, "dtype", None), str) else "bfloat16"
+    drafter = grow_depth1_head(base, args.width).bind_target(target).eval()
+    signature = block_signature(drafter)
+    text = sources_fingerprint(sources, args.positions, args.max_length, tokenizer)
+    claim_output_dir(out, {"mode": "stored" if args.max_disk_gb else "streamed", "sources": text, "drafter": signature})
+    dev_refs = (load_references(args.dev_data, max_length=args.max_length, vocab_size=target.config.vocab_size)
+                if args.dev_data else build_dev_set(target, tokenizer, out / "dev_references.jsonl"))
+    dev_shards = PositionShards(out / "dev_positions", signature)
+    extract(target, drafter, dev_refs, dev_shards)
+    dev = {"dev": {k: v.to(drafter.fc.weight.device) for k, v in dev_shards.load().items()}}
+    sequences = text_sequences(sources, tokenizer, args.positions, args.max_length)
+    if args.max_disk_gb:
+        _train_stored(args, target, drafter, sequences, dev, PositionShards(out / "positions", f"{signature}-{text}"))
+    else:
+        _train_streamed(args, target, drafter, sequences, dev, f"{signature}-{text}")
+    final = out / "final"
+    drafter.save_pretrained(final, dtype=getattr(torch, stored_dtype))
+    print(f"[distil] saved {final}")
+    return 0
+
+
+def _train_streamed(args, target, drafter, sequences: Iterator[TextSequence], dev: dict, fingerprint: str) -> None:
+    trainer = DistilTrainer(drafter, args.output_dir, fingerprint, lr=args.lr, batch_size=args.train_batch_size,
+                            seed=args.seed)
+    stream = trainer.stream
+    if trainer.resume():
+        print(f"[distil] resumed at step {trainer.step}: window {stream['sequences_done']:,} of the sources, "
+              f"{stream['positions_seen']:,} positions distilled")
+    config = StreamConfig(batch_size=args.batch_size, buffer_positions=args.buffer_positions, passes=args.passes,
+                          max_positions=args.max_positions, eval_every=args.eval_every, save_every=args.save_every)
+    print(f"[distil] streaming up to {args.max_positions:,} positions through a buffer of {args.buffer_positions:,}; "
+          f"{config.total_steps(args.train_batch_size):,} steps of {args.train_batch_size}")
+    distil_stream(target, drafter, sequences, trainer, dev, config)
+    print(f"[distil] {stream['positions_seen']:,} positions distilled from {stream['sequences_done']:,} windows; "
+          f"{trainer.step:,} steps")
+    if stream["positions_seen"] < args.max_positions:
+        print(f"[distil] the sources ran out before --max-positions {args.max_positions:,}: the learning rate stopped "
+              "before the end of its schedule (give --max-positions the positions the sources hold)")
+
+
+def _train_stored(args, target, drafter, sequences: Iterator[TextSequence], dev: dict, shards: PositionShards) -> None:
+    limit = min(args.max_positions, int(args.max_disk_gb * 1e9 // position_bytes(drafter)))
+    state = distil_to_shards(target, drafter, sequences, shards, limit, batch_size=args.batch_size)
+    print(f"[distil] {state['positions']:,} positions stored in {shards.directory} "
+          f"({state['positions'] * position_bytes(drafter) / 1e9:.2f} GB of --max-disk-gb {args.max_disk_gb})")
+    data = shards.load()
+    trainer = Depth1Trainer(drafter, args.output_dir, lr=args.lr, batch_size=args.train_batch_size, seed=args.seed)
+    if trainer.resume():
+        print(f"[distil] resumed at step {trainer.step}")
+    total = math.ceil(args.passes * len(data["label"]) / args.train_batch_size)
+    trainer.train(data, total, dev, eval_every=args.eval_every, save_every=args.save_every)

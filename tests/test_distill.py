@@ -1,0 +1,329 @@
+"""Distilling the depth-1 head from any text (`training/distill.py`): the target's teacher-forced argmax as labels,
+batched extraction, which positions each source labels, streamed training that resumes, stored shards within a disk
+budget, and refusals before anything loads."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_drafter, make_target
+
+from hf_treespark import assets
+from hf_treespark.training import distill
+from hf_treespark.training.data import ReferenceSequence
+from hf_treespark.training.depth1 import PositionShards, block_signature, extract, grow_depth1_head
+from hf_treespark.training.distill import (
+    DistilTrainer,
+    StreamConfig,
+    distil_batch,
+    distil_stream,
+    distil_to_shards,
+    position_bytes,
+)
+from hf_treespark.training.distill_sources import TextSequence, sources_fingerprint, text_sequences
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def grown():
+    target = make_target("qwen3")
+    drafter = grow_depth1_head(make_drafter(target), 32).bind_target(target).eval()
+    return target, drafter
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(assets.default_target_path())
+
+
+def anchored_text(tokenizer, sequence: TextSequence) -> str:
+    return tokenizer.decode([t for t, on in zip(sequence.input_ids, sequence.labelled, strict=True) if on])
+
+
+def motif_sequences(count: int, length: int = 24, seed: int = 0) -> list[TextSequence]:
+    """Texts of a repeated 4-token motif each, every position after the first labelled."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(count):
+        motif = torch.randint(4, 128, (4,), generator=gen).tolist()
+        out.append(TextSequence(f"m{i}", (motif * length)[:length], [a > 0 for a in range(length)]))
+    return out
+
+
+class CharTokenizer:
+    """A stand-in tokenizer for the tiny target's 128 ids: one id per character."""
+
+    chat_template = None
+
+    def __call__(self, text, add_special_tokens=False, **kwargs):
+        return {"input_ids": [4 + ord(c) % 120 for c in text]}
+
+    def __len__(self):
+        return 128
+
+
+def test_distilled_positions_of_the_targets_own_continuation_are_what_extract_writes(grown, tmp_path):
+    target, drafter = grown
+    gen = torch.Generator().manual_seed(0)
+    refs = []
+    for i in range(3):  # different lengths: the batched forward pads
+        prompt = torch.randint(4, 128, (1, 4 + 3 * i), generator=gen)
+        ids = target.generate(prompt, do_sample=False, max_new_tokens=9 + 5 * i, pad_token_id=0)[0].tolist()
+        refs.append(ReferenceSequence(id=f"r{i}", input_ids=ids, prompt_len=prompt.shape[1]))
+    assert all(len(r.input_ids) - r.prompt_len >= 4 for r in refs)
+    shards = PositionShards(tmp_path, block_signature(drafter))
+    extract(target, drafter, refs, shards, progress=False)
+    want = shards.load()
+    sequences = [TextSequence(r.id, r.input_ids, [r.prompt_len <= a < len(r.input_ids) - 1
+                                                  for a in range(len(r.input_ids))]) for r in refs]
+    seconds = {}
+    got = distil_batch(target, drafter, sequences, chunk=5, pieces_per_pass=3, seconds=seconds)  # rows share passes
+    assert set(got) == set(want) and seconds["target"] > 0 and seconds["drafter"] > 0
+    assert torch.equal(got["token"], want["token"])
+    assert torch.equal(got["label"], want["label"])  # on its own greedy text the target's argmax is the next token
+    for field in ("features", "hidden"):
+        assert got[field].dtype == torch.bfloat16
+        assert torch.allclose(got[field].float(), want[field].float(), atol=0.02, rtol=0.02), field
+
+
+def test_a_distilled_label_is_the_targets_argmax_at_that_position_of_any_text(grown):
+    target, drafter = grown
+    gen = torch.Generator().manual_seed(3)
+    sequences = [TextSequence(f"t{i}", torch.randint(4, 128, (n,), generator=gen).tolist(), [a > 0 for a in range(n)])
+                 for i, n in enumerate((9, 17, 12))]
+    got = distil_batch(target, drafter, sequences)
+    with torch.no_grad():
+        argmax = [target(torch.tensor([s.input_ids])).logits[0, 1:].argmax(-1) for s in sequences]
+    assert len(got["label"]) == 8 + 16 + 11
+    assert torch.equal(got["label"], torch.cat(argmax))
+    following = torch.cat([torch.tensor(s.input_ids[2:] + [-1]) for s in sequences])
+    assert not torch.equal(got["label"], following)  # the target's own choice, not the text's next token
+    assert torch.equal(got["token"], torch.cat([torch.tensor(s.input_ids[1:]) for s in sequences]))
+
+
+def test_chat_files_label_their_assistant_turns_and_text_files_every_position(tokenizer, tmp_path):
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(json.dumps({"messages": [
+        {"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue, like the sea."},
+        {"role": "user", "content": "assistant"}, {"role": "assistant", "content": "Green."}]}) + "\n\n"
+        + json.dumps({"conversations": [{"from": "human", "value": "What is 2+2?"}, {"from": "gpt", "value": "4"}]})
+        + "\n")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("Plain text is labelled everywhere.\n")
+    sequences = list(text_sequences([str(chats), str(notes)], tokenizer, "assistant", 512))
+    assert [s.id for s in sequences] == ["chats.jsonl:1#0", "chats.jsonl:3#0", "notes.txt#0"]
+    assert anchored_text(tokenizer, sequences[0]) == "Blue, like the sea.Green."
+    assert sequences[0].input_ids == tokenizer.apply_chat_template(
+        json.loads(chats.read_text().splitlines()[0])["messages"], tokenize=True, return_dict=False)
+    assert anchored_text(tokenizer, sequences[1]) == "4"
+    assert sequences[2].labelled == [False] + [True] * (len(sequences[2].input_ids) - 1)
+
+    windows = list(text_sequences([str(chats)], tokenizer, "all", 16))
+    assert all(len(w.input_ids) <= 16 and not w.labelled[0] and all(w.labelled[1:]) for w in windows)
+    assert [t for w in windows if w.id.startswith("chats.jsonl:1#") for t in w.input_ids] == sequences[0].input_ids
+    cut, whole = {w.id: w for w in text_sequences([str(chats)], tokenizer, "assistant", 24)}, sequences[0]
+    assert "chats.jsonl:1#0" not in cut  # the system prompt and the first question: no anchor, no window
+    for w in range(0, math.ceil(len(whole.input_ids) / 24)):
+        flags = [False] + whole.labelled[24 * w + 1:24 * (w + 1)]
+        if any(flags):
+            assert cut[f"chats.jsonl:1#{w}"].input_ids == whole.input_ids[24 * w:24 * (w + 1)]
+            assert cut[f"chats.jsonl:1#{w}"].labelled == flags
+        else:
+            assert f"chats.jsonl:1#{w}" not in cut
+
+
+def test_sharegpt_is_distilled_whole_and_never_from_the_heldout_band(tokenizer, monkeypatch):
+    def conversation(p):
+        return {"id": f"r{p}", "conversations": [{"from": "human", "value": f"question {p}"},
+                                                 {"from": "gpt", "value": f"answer {p}"},
+                                                 {"from": "human", "value": "more"}, {"from": "gpt", "value": "yes"}]}
+
+    records = [(p, conversation(p)) for p in (0, 11999, 12000, 13999, 14000)]
+    records.insert(1, (5, {"id": "odd", "conversations": [{"from": "gpt", "value": "no human turn first"}]}))
+    monkeypatch.setattr(assets, "iter_sharegpt", lambda start=0: iter(r for r in records if r[0] >= start))
+    sequences = list(text_sequences(["sharegpt"], tokenizer, "assistant", 512))
+    assert [s.id for s in sequences] == ["sharegpt:r0@0#0", "sharegpt:r11999@11999#0", "sharegpt:r14000@14000#0"]
+    assert anchored_text(tokenizer, sequences[2]) == "answer 14000yes"
+
+
+def test_the_fingerprint_follows_the_sources_their_contents_and_the_options(tokenizer, tmp_path):
+    a, b = tmp_path / "a.txt", tmp_path / "b.jsonl"
+    a.write_text("some text")
+    b.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    first = sources_fingerprint([str(a), str(b)], "assistant", 512, tokenizer)
+    assert first == sources_fingerprint([str(a), str(b)], "assistant", 512, tokenizer)
+    others = {sources_fingerprint([str(b), str(a)], "assistant", 512, tokenizer),
+              sources_fingerprint([str(a), str(b)], "all", 512, tokenizer),
+              sources_fingerprint([str(a), str(b)], "assistant", 256, tokenizer),
+              sources_fingerprint([str(a), str(b), "sharegpt"], "assistant", 512, tokenizer),
+              sources_fingerprint([str(a), str(b)], "assistant", 512, CharTokenizer())}
+    a.write_text("other text")
+    others.add(sources_fingerprint([str(a), str(b)], "assistant", 512, tokenizer))
+    assert first not in others and len(others) == 6
+
+
+def test_streamed_training_learns_and_a_stopped_run_resumes_at_its_stream_position(grown, tmp_path, monkeypatch):
+    target, drafter = grown
+    sequences = motif_sequences(40)
+    dev = {"dev": distil_batch(target, drafter, sequences[:4])}
+    config = StreamConfig(batch_size=4, buffer_positions=256, passes=3.0, max_positions=600, eval_every=20,
+                          save_every=10)
+
+    def crashing():
+        for i, sequence in enumerate(sequences):
+            if i == 14:
+                raise KeyboardInterrupt
+            yield sequence
+
+    first = DistilTrainer(drafter, tmp_path / "run", fingerprint="f1", lr=3e-3, batch_size=32, warmup=5)
+    with pytest.raises(KeyboardInterrupt):
+        distil_stream(target, drafter, crashing(), first, dev, config, progress=False)
+
+    again = grow_depth1_head(make_drafter(target), 32).bind_target(target).eval()
+    with pytest.raises(ValueError, match="other --sources"):
+        DistilTrainer(again, tmp_path / "run", fingerprint="f2").resume()
+    resumed = DistilTrainer(again, tmp_path / "run", fingerprint="f1", lr=3e-3, batch_size=32, warmup=5)
+    assert resumed.resume()
+    at, step = resumed.stream["sequences_done"], resumed.step
+    assert 0 < at < 14 and step > 0 and step % 10 == 0
+    distilled = []
+    real = distill.distil_batch
+    monkeypatch.setattr(distill, "distil_batch", lambda t, d, batch, **kw: distilled.extend(batch) or real(t, d, batch))
+    curve = distil_stream(target, again, iter(sequences), resumed, dev, config, progress=False)
+    assert distilled[0].id == sequences[at].id  # the stream goes on where the checkpoint says
+    assert resumed.stream["positions_seen"] == 600 and resumed.step == math.ceil(3.0 * 600 / 32)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["step"] == 0 and rows[-1] == curve[-1] and rows[-1]["step"] == resumed.step
+    assert all(r["positions_per_s"] > 0 and r["positions_seen"] <= 600 for r in rows[1:])
+    assert rows[-1]["positions_seen"] == 600
+    assert rows[-1]["dev_top1"] > rows[0]["dev_top1"] + 20  # repeated motifs: the head learns them
+    state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
+    assert state["step"] == resumed.step and state["stream"]["positions_seen"] == 600
+
+
+def test_stored_positions_stay_within_their_budget_and_resume_without_repeats(grown, tmp_path):
+    target, drafter = grown
+    width = drafter.config.num_target_features * drafter.config.target_hidden_size
+    assert position_bytes(drafter) == 2 * width + 2 * drafter.config.hidden_size + 16
+    shards = PositionShards(tmp_path, "signature")
+    sequences = motif_sequences(12)
+    state = distil_to_shards(target, drafter, sequences, shards, max_positions=50, batch_size=1, shard_positions=20,
+                             progress=False)
+    assert state["positions"] == 50 and state["references_done"] == 3 and state["shards"] == 3  # 23, 23, then 4
+    first = shards.load()
+    state = distil_to_shards(target, drafter, sequences, shards, max_positions=120, batch_size=2, shard_positions=20,
+                             progress=False)
+    data = shards.load()
+    assert state["positions"] == len(data["label"]) == 120 and state["references_done"] == 7
+    assert all(torch.equal(data[k][:50], first[k]) for k in first)
+    tokens = [s.input_ids[1:] for s in sequences]  # the window cut at the limit counts as done: never taken again
+    expected = tokens[0] + tokens[1] + tokens[2][:4] + tokens[3] + tokens[4] + tokens[5] + tokens[6][:1]
+    assert data["token"].tolist() == expected
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    distill.add_arguments(parser)
+    return parser.parse_args([str(a) for a in argv])
+
+
+def test_help_says_which_labels_it_uses():
+    parser = argparse.ArgumentParser()
+    distill.add_arguments(parser)
+    text = " ".join(parser.format_help().split())
+    assert "the target's argmax at each position of the given text, teacher-forced; not generated responses" in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--sources", "data.csv"], "give 'sharegpt', a .txt file or a .jsonl"),
+    (["--sources", "missing.txt"], "missing.txt: no such file"),
+    (["--sources", "sharegpt", "sharegpt"], "'sharegpt' is listed twice"),
+    (["--max-length", "1"], "--max-length"),
+    (["--batch-size", "0"], "--batch-size"),
+    (["--passes", "nan"], "--passes"),
+    (["--buffer-positions", "100"], "--buffer-positions 100 is smaller than --train-batch-size 256"),
+    (["--max-positions", "0"], "--max-positions"),
+    (["--max-disk-gb", "0"], "--max-disk-gb"),
+    (["--lr", "-1"], "--lr"),
+    (["--drafter", "."], "has no config.json"),
+    (["--dev-data", "missing.jsonl"], "missing.jsonl: no such file"),
+    (["--sources", "garbage.jsonl"], "garbage.jsonl:2: not a JSON line"),
+    (["--sources", "prompts.jsonl"], "prompts.jsonl:1: a chat record needs 'messages' or 'conversations'"),
+    (["--sources", "latin1.txt"], "latin1.txt: not UTF-8 text (byte 4)"),
+])
+def test_bad_arguments_are_refused_before_anything_loads(tmp_path, monkeypatch, argv, message):
+    from hf_treespark.training import cli as training_cli
+
+    monkeypatch.setattr(training_cli, "load_target", lambda *a, **k: pytest.fail("loaded the target"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "garbage.jsonl").write_text(json.dumps({"messages": []}) + "\n{not json\n")
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "hi"}) + "\n")
+    (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        distill.run(parse("--output-dir", tmp_path / "out", *argv))
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="is a file"):
+        distill.run(parse("--output-dir", tmp_path / "file"))
+
+
+def test_a_distil_run_trains_saves_and_a_rerun_resumes(tmp_path, monkeypatch, capsys):
+    from hf_treespark import TreeSparkDrafter
+    from hf_treespark.training import cli as training_cli
+
+    target = make_target("qwen3")
+    grow_depth1_head(make_drafter(target), 16).save_pretrained(tmp_path / "drafter")
+    monkeypatch.setattr(training_cli, "load_target", lambda name, with_tokenizer: (target, CharTokenizer()))
+    (tmp_path / "a.txt").write_text("the cat sat on the mat. " * 20)
+    (tmp_path / "dev.jsonl").write_text(json.dumps({"prompt_ids": [5, 6, 7], "response_ids": [8, 9, 10, 11, 12]}))
+    argv = ["--drafter", tmp_path / "drafter", "--sources", tmp_path / "a.txt", "--dev-data", tmp_path / "dev.jsonl",
+            "--max-length", 64, "--batch-size", 2, "--train-batch-size", 16, "--buffer-positions", 64,
+            "--max-positions", 200, "--eval-every", 5, "--output-dir", tmp_path / "out"]
+    assert distill.run(parse(*argv)) == 0
+    out = capsys.readouterr().out
+    assert "200 positions" in out and "resumed" not in out
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == math.ceil(200 / 16) and rows[-1]["positions_seen"] == 200
+    loaded = TreeSparkDrafter.from_pretrained(tmp_path / "out" / "final")
+    assert loaded.config.depth1_head == 16
+    assert distill.run(parse(*argv)) == 0
+    assert f"resumed at step {rows[-1]['step']}" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="other --sources, --positions, --max-length or --target"):
+        distill.run(parse(*argv, "--positions", "all"))
+    with pytest.raises(ValueError, match=re.escape("other --max-disk-gb (stored or streamed)")):
+        distill.run(parse(*argv, "--max-disk-gb", 1))
+
+    assert distill.run(parse(*argv[:-1], tmp_path / "stored", "--max-disk-gb", 1e-9 * 150 * 5000)) == 0
+    assert "positions stored" in capsys.readouterr().out
+
+
+def test_the_throughput_script_refuses_bad_arguments_before_loading():
+    done = subprocess.run([sys.executable, "scripts/distil_throughput.py", "--batch-sizes", "4,0"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert "--batch-sizes" in done.stderr.strip().splitlines()[-1]
+
+
+def test_the_throughput_script_times_each_phase_of_a_batch(grown):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("distil_throughput", REPO / "scripts" / "distil_throughput.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    target, drafter = grown
+    args = argparse.Namespace(batches=2, train_steps=2, train_batch_size=16, passes=1.0)
+    row = script.measure(target, drafter, iter(motif_sequences(9)), 3, args)
+    assert row["positions"] == 3 * 23 and row["tokens"] == 3 * 24
+    assert all(row[k] > 0 for k in ("target", "drafter", "train", "end_to_end"))
+    assert row["end_to_end"] < min(row["target"], row["drafter"], row["train"])
