@@ -30,7 +30,15 @@ from pathlib import Path
 import torch
 
 from .cpu_gemm import model_is_packed
-from .help_format import CPU_PACK_CHOICES, CPU_PACK_HELP, DTYPE_CHOICES, cpu_pack_option
+from .help_format import (  # noqa: F401  (batch_sizes_option: the --batch-size parser, imported from here too)
+    CPU_PACK_CHOICES,
+    CPU_PACK_HELP,
+    DTYPE_CHOICES,
+    batch_sizes,
+    batch_sizes_option,
+    cpu_pack_option,
+    refuse_empty_values,
+)
 from .precision import resolve_dtype
 
 SUITES = ("mtbench", "humaneval", "sharegpt")
@@ -659,9 +667,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", action="store_true",
                         help="instead of the comparison: what each phase of a TreeSpark round costs, in ms and in "
                              "plain decoding steps, for the chosen auto budget and N = 4, 8, 16 (profile.md/json)")
-    parser.add_argument("--batch-size", metavar="B[,B...]",
+    parser.add_argument("--batch-size", metavar="B[,B...]", type=batch_sizes,
                         help="instead of the comparison: tokens/s of all rows, TreeSpark against plain batched "
-                             "generate, for these batch sizes (e.g. 1,2,4,8,16; batch.md/json); suites as --suites")
+                             "generate, for these batch sizes (1-256, e.g. 1,2,4,8,16; batch.md/json); suites as "
+                             "--suites")
     parser.add_argument("--smoke", action="store_true",
                         help="a quick check: 1 prompt per suite, 8 new tokens, budget 8 unless given")
 
@@ -674,9 +683,13 @@ def run_from_args(args: argparse.Namespace) -> int:
     suites = [s.strip() for s in args.suites.split(",") if s.strip()]
     baseline = any(item.partition("=")[0] == "baseline" for item in args.drafter)
     default = DEFAULT_METHODS + (("baseline_chain", "baseline_datastore") if baseline else ())
-    methods = [m.strip() for m in (args.methods or ",".join(default)).split(",") if m.strip()]
-    for name, known in (("suite", SUITES), ("method", METHODS)):
-        for value in suites if name == "suite" else methods:
+    methods = [m.strip() for m in (args.methods if args.methods is not None else ",".join(default)).split(",")
+               if m.strip()]
+    for name, values, known in (("suite", suites, SUITES), ("method", methods, METHODS)):
+        if not values:  # `--suites ,`: never a way to ask for the default
+            raise ValueError(f"--{name}s {getattr(args, name + 's')!r}: no {name} named; choose from "
+                             f"{', '.join(known)} (comma-separated)")
+        for value in values:
             if value not in known:
                 raise ValueError(f"unknown {name} {value!r}; choose from {', '.join(known)}")
     if args.budget != "auto" and not (args.budget.isdigit() and int(args.budget) > 0):
@@ -734,18 +747,10 @@ def run_from_args(args: argparse.Namespace) -> int:
     return 0
 
 
-def batch_sizes_option(text: str, option: str = "--batch-size") -> list[int]:
-    """`--batch-size 1,2,4`: positive integers. Raises `ValueError` naming the option."""
-    sizes = [part.strip() for part in str(text).split(",") if part.strip()]
-    if not sizes or not all(part.isdigit() and int(part) > 0 for part in sizes):
-        raise ValueError(f"{option} {text!r}: expected positive integers separated by commas, e.g. 1,2,4,8,16")
-    return [int(part) for part in sizes]
-
-
 def _run_batches(args, target, tokenizer, drafters: dict, suites: list[str], budget) -> int:
     from .budget import ensure_batch_latency, ensure_latency
 
-    sizes = batch_sizes_option(args.batch_size)
+    sizes = list(args.batch_size)  # parsed and bounded by `help_format.batch_sizes`
     if "treespark" not in drafters:
         raise ValueError("--batch-size needs the TreeSpark drafter (--drafter treespark=PATH with --target)")
     drafter = drafters["treespark"]
@@ -806,7 +811,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="treespark bench", description=__doc__.split("\n")[0],
                                      formatter_class=DefaultsHelpFormatter)
     add_arguments(parser)
-    return run_script(parser, run_from_args, argv)
+    return run_script(parser, lambda args: refuse_empty_values(parser, args) or run_from_args(args), argv)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,15 @@ from collections.abc import Callable
 
 # Only light modules here: parsing the command line (`--help`, `--version`) imports no torch or transformers.
 # Each command imports what it needs when it runs.
-from .help_format import CPU_PACK_CHOICES, CPU_PACK_HELP, DTYPE_CHOICES, DefaultsHelpFormatter, cpu_pack_option
+from .help_format import (
+    CPU_PACK_CHOICES,
+    CPU_PACK_HELP,
+    DTYPE_CHOICES,
+    DefaultsHelpFormatter,
+    batch_sizes,
+    cpu_pack_option,
+    refuse_empty_values,
+)
 from .version import __version__
 
 
@@ -92,11 +100,7 @@ def cmd_calibrate(args) -> int:
         raise ValueError(f"--budgets {args.budgets!r}: expected comma-separated integers, e.g. 2,4,8") from None
     if not budgets or min(budgets) < 1:
         raise ValueError(f"--budgets {args.budgets!r}: budgets must be positive integers")
-    batch_sizes = []
-    if args.batch_sizes:
-        from .bench import batch_sizes_option
-
-        batch_sizes = [b for b in batch_sizes_option(args.batch_sizes, "--batch-sizes") if b > 1]
+    batch_sizes = [b for b in args.batch_sizes or () if b > 1]  # one row: the latency measured anyway
     config_path = Path(args.drafter) / "config.json" if args.drafter else None
     if config_path is not None:
         if not config_path.is_file():
@@ -234,42 +238,47 @@ def cmd_draft_vocab(args) -> int:
 
 
 def cmd_datastore(args) -> int:
-    """Index the target's outputs in `--data` as `--output`/datastore.safetensors (`hf_treespark.datastore`)."""
-    import json
+    """Index the target's outputs in `--data` (text, chat JSONL, id JSONL: `training.datastore_inputs`) as
+    `--output`/datastore.safetensors. A store already there is kept unless `--force` replaces it or `--append`
+    adds to it; every input is read before anything is written, and the file is replaced whole."""
     from pathlib import Path
 
-    from .datastore import DATASTORE_FILE, Datastore, sequences_from_references
+    from .datastore import DATASTORE_FILE, Datastore, DatastoreError
     from .storage import unwritable_reason
+    from .training.datastore_inputs import describe, load_tokenizer, read_outputs, store_vocab_size
 
     output = Path(args.output)
-    vocab_size = args.vocab_size
-    config_path = output / "config.json"
-    if vocab_size is None and config_path.is_file():
-        try:
-            vocab_size = int(json.loads(config_path.read_text(encoding="utf-8"))["target_vocab_size"])
-        except (UnicodeDecodeError, ValueError, KeyError, TypeError) as err:
-            raise ValueError(f"{config_path} is not a drafter config ({err!r}); give --vocab-size") from None
-    if vocab_size is None:
-        from .assets import DEFAULT_DRAFTER_DIR
-
-        vocab_size = int(json.loads((DEFAULT_DRAFTER_DIR / "config.json").read_text())["target_vocab_size"])
+    vocab_size = store_vocab_size(args.vocab_size, output / "config.json")
     if output.exists() and not output.is_dir():
         raise OSError(f"--output {str(output)!r} is a file, not a directory")
+    existing, path = None, output / DATASTORE_FILE
+    if path.exists() and not args.force:
+        try:
+            existing = Datastore.load(path, vocab_size)
+        except DatastoreError as err:
+            raise ValueError(f"{err}; or give --force to replace it" if args.append else
+                             f"--output {str(output)!r} already holds a datastore ({path}, unreadable: {err}): "
+                             "give --force to replace it") from None
+        if not args.append:
+            raise OSError(f"--output {str(output)!r} already holds a datastore ({path}, {existing.num_tokens:,} "
+                          "tokens): give --append to add these outputs to it, or --force to replace it")
     problem = unwritable_reason(output)
     if problem is not None:
         raise OSError(f"--output {str(output)!r} cannot be written ({problem})")
-    from .training.data import load_references
-
     start = time.perf_counter()
-    references = load_references(args.data, max_length=1 << 30, vocab_size=vocab_size)
-    store = Datastore.build(sequences_from_references(references), vocab_size)
+    sequences, counts = read_outputs(args.data, vocab_size, functools.partial(load_tokenizer, args.target))
+    old = existing.sequences() if existing is not None else []
+    store = Datastore.build(old + sequences, vocab_size)
     path = store.save(output)
     built = time.perf_counter() - start
     start = time.perf_counter()
     Datastore.load(path, vocab_size)
-    print(f"[datastore] {len(references)} responses, {store.num_tokens:,} tokens indexed in {built:.1f} s; "
-          f"{path} is {path.stat().st_size / 1e6:.1f} MB and loads in {1000 * (time.perf_counter() - start):.0f} ms"
-          + ("" if config_path.is_file() else f" (copy {DATASTORE_FILE} into a drafter directory to use it)"))
+    added = "" if existing is None else (f"; {store.num_tokens - existing.num_tokens:,} tokens added to the "
+                                         f"{existing.num_tokens:,} already there")
+    print(f"[datastore] {describe(counts)}: {store.num_tokens:,} tokens indexed in {built:.1f} s{added}; {path} is "
+          f"{path.stat().st_size / 1e6:.1f} MB and loads in {1000 * (time.perf_counter() - start):.0f} ms"
+          + ("" if (output / "config.json").is_file() else f" (copy {DATASTORE_FILE} into a drafter directory to "
+                                                            "use it)"))
     return 0
 
 
@@ -381,6 +390,44 @@ def cmd_push(args) -> int:
     return 0
 
 
+def add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--drafter", help="drafter directory; its config.json gets acceptance_profile (default: the "
+                                          "shipped drafter, latency only)")
+    parser.add_argument("--target", help="target model name or path (default: offline SmolLM2-135M-Instruct)")
+    parser.add_argument("--suite", default="sharegpt", help="prompt suite (mtbench, humaneval, sharegpt held-out)")
+    parser.add_argument("--num-prompts", type=positive_int, default=8)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=96)
+    parser.add_argument("--budgets", default="2,4,8,16,32,64")
+    parser.add_argument("--force", action="store_true",
+                        help="measure this machine's round latency again (on a quiet machine), replacing the "
+                             "cached one")
+    parser.add_argument("--batch-sizes", metavar="B[,B...]", type=batch_sizes,
+                        help="also measure rounds of these batch sizes (1-256), for 'auto' in batched generate "
+                             "(e.g. 2,4,8,16), and (with --drafter) the acceptance per row in batches of the smallest")
+    parser.add_argument("--latency-only", action="store_true",
+                        help="only the round latency; leave the drafter's acceptance_profile as it is")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                        help="auto: bf16 where the device computes it natively, else fp32")
+    parser.add_argument("--cpu-pack", choices=CPU_PACK_CHOICES, default="auto", help=CPU_PACK_HELP)
+
+
+def add_datastore_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data", nargs="+", required=True,
+                        help="the target's outputs: .txt plain text; .jsonl or .jsonl.gz records with prompt_ids and "
+                             "response_ids (what `treespark train --data` reads), or chats (messages or "
+                             "conversations: their assistant turns are indexed)")
+    parser.add_argument("--output", required=True,
+                        help="drafter directory to add datastore.safetensors to (or a new directory for it alone)")
+    parser.add_argument("--target", help="the target's name or path, for its tokenizer and chat template (text and "
+                                         "chats; default: the offline default target)")
+    parser.add_argument("--vocab-size", type=positive_int,
+                        help="the target's vocabulary size (default: the --output drafter's target_vocab_size, else "
+                             "the offline default target's)")
+    again = parser.add_mutually_exclusive_group()
+    again.add_argument("--append", action="store_true", help="add to the datastore --output holds")
+    again.add_argument("--force", action="store_true", help="replace the datastore --output holds")
+
+
 def add_push_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter", required=True, help="drafter directory, e.g. OUTPUT_DIR/final of a training run")
     parser.add_argument("--repo-id", required=True, help="Hub repository to create or update, ORG/NAME")
@@ -476,23 +523,7 @@ def main(argv: list[str] | None = None, before_command: Callable[[], object] | N
 
     cal = sub.add_parser("calibrate", help="measure what a round costs here and a drafter's acceptance length per "
                                            "tree budget (for 'auto')")
-    cal.add_argument("--drafter", help="drafter directory; its config.json gets acceptance_profile (default: the "
-                                       "shipped drafter, latency only)")
-    cal.add_argument("--target", help="target model name or path (default: offline SmolLM2-135M-Instruct)")
-    cal.add_argument("--suite", default="sharegpt", help="prompt suite (mtbench, humaneval, sharegpt held-out)")
-    cal.add_argument("--num-prompts", type=positive_int, default=8)
-    cal.add_argument("--max-new-tokens", type=positive_int, default=96)
-    cal.add_argument("--budgets", default="2,4,8,16,32,64")
-    cal.add_argument("--force", action="store_true",
-                     help="measure this machine's round latency again (on a quiet machine), replacing the cached one")
-    cal.add_argument("--batch-sizes", metavar="B[,B...]",
-                     help="also measure rounds of these batch sizes, for 'auto' in batched generate (e.g. 2,4,8,16), "
-                          "and (with --drafter) the acceptance per row in batches of the smallest")
-    cal.add_argument("--latency-only", action="store_true",
-                     help="only the round latency; leave the drafter's acceptance_profile as it is")
-    cal.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                        help="auto: bf16 where the device computes it natively, else fp32")
-    cal.add_argument("--cpu-pack", choices=CPU_PACK_CHOICES, default="auto", help=CPU_PACK_HELP)
+    add_calibrate_arguments(cal)
     cal.set_defaults(func=cmd_calibrate)
 
     voc = sub.add_parser("draft-vocab", help="restrict a drafter to a frequency-ranked draft vocabulary "
@@ -507,14 +538,7 @@ def main(argv: list[str] | None = None, before_command: Callable[[], object] | N
 
     store = sub.add_parser("datastore", help="index the target's outputs as a drafter's datastore (retrieved "
                                              "branches in every round's tree)")
-    store.add_argument("--data", nargs="+", required=True,
-                       help="reference files of the target's outputs, .jsonl or .jsonl.gz with prompt_ids and "
-                            "response_ids (what `treespark train --data` reads)")
-    store.add_argument("--output", required=True,
-                       help="drafter directory to add datastore.safetensors to (or a new directory for it alone)")
-    store.add_argument("--vocab-size", type=positive_int,
-                       help="the target's vocabulary size (default: the --output drafter's target_vocab_size, else "
-                            "the offline default target's)")
+    add_datastore_arguments(store)
     store.set_defaults(func=cmd_datastore)
 
     demo = sub.add_parser("demo", help="the Gradio demo: watch rounds commit and inspect each drafted tree")
@@ -551,6 +575,8 @@ def main(argv: list[str] | None = None, before_command: Callable[[], object] | N
     push.set_defaults(func=cmd_push)
 
     args = parser.parse_args(argv)
+    if args.command not in ("train", "train-depth1"):  # their options and checks are the training modules'
+        refuse_empty_values(sub.choices[args.command], args)
     if getattr(args, "max_new_tokens", 1) < 1:
         parser.error("--max-new-tokens must be at least 1")
     if getattr(args, "prompt", "x").strip() == "":

@@ -44,7 +44,8 @@ holding the most recent `grow_tokens` tokens (older outputs are dropped first), 
 
 Stored as `datastore.safetensors` (no pickle) in the drafter's directory: tensors `tokens` and `positions`,
 metadata `format`, `version`, `vocab_size`, `max_match`. Loading checks the format, the vocabulary and the
-index's shape, and refuses a damaged or foreign file naming it, before any decoding.
+index's shape, and refuses a damaged or foreign file naming it, before any decoding. In memory a store pickles as
+its arrays, so a drafter carrying one can be deep-copied, pickled and `torch.save`d.
 """
 
 from __future__ import annotations
@@ -85,6 +86,13 @@ class _Index:
         self._tokens = memoryview(tokens)  # Python ints at list speed for the binary searches
         self._positions = memoryview(positions)
 
+    def __getstate__(self) -> dict:
+        """The arrays alone: a memoryview cannot be pickled (`copy.deepcopy`, `pickle`, `torch.save` of a drafter)."""
+        return {"tokens": self.tokens, "positions": self.positions}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(np.ascontiguousarray(state["tokens"]), np.ascontiguousarray(state["positions"]))
+
     @classmethod
     def build(cls, sequences: Iterable[Sequence[int]]) -> _Index:
         pieces = [np.full(MAX_MATCH, SEPARATOR, np.int32)]
@@ -123,6 +131,12 @@ class _Index:
         ends = self.positions[picks]
         return self.tokens[ends[:, None] + 1 + np.arange(depth)]
 
+    def sequences(self) -> list[np.ndarray]:
+        """The indexed sequences (int32 arrays), in the order they were given."""
+        cuts = np.flatnonzero(self.tokens == SEPARATOR)
+        pieces = np.split(self.tokens, cuts)
+        return [piece[1:] for piece in pieces if len(piece) > 1]
+
 
 class Datastore:
     """The target's earlier outputs, indexed for longest-suffix lookup (see the module docstring).
@@ -140,15 +154,23 @@ class Datastore:
 
     @classmethod
     def build(cls, sequences: Iterable[Sequence[int]], vocab_size: int) -> Datastore:
-        """Index `sequences` (lists of token ids, each below `vocab_size`)."""
-        sequences = [list(map(int, seq)) for seq in sequences]
+        """Index `sequences` (each a list, array or tensor of integer token ids below `vocab_size`). Raises
+        `DatastoreError` naming the sequence and position of an id that is outside the vocabulary or not an integer
+        (a float is never truncated to one, a string never parsed as one)."""
+        sequences = [_token_ids(seq, i) for i, seq in enumerate(sequences)]
         for i, seq in enumerate(sequences):
-            if seq and (min(seq) < 0 or max(seq) >= vocab_size):
-                bad = next(t for t in seq if not 0 <= t < vocab_size)
-                raise DatastoreError(f"sequence {i} holds token id {bad}, outside the vocabulary [0, {vocab_size})")
-        if not any(sequences):
+            if len(seq) and (seq.min() < 0 or seq.max() >= vocab_size):
+                j = int(np.flatnonzero((seq < 0) | (seq >= vocab_size))[0])
+                raise DatastoreError(f"sequence {i}, position {j} holds token id {seq[j]}, outside the vocabulary "
+                                     f"[0, {vocab_size})")
+        if not any(len(seq) for seq in sequences):
             raise DatastoreError("no tokens to index: the data holds no response")
         return cls(_Index.build(sequences), vocab_size)
+
+    def sequences(self) -> list[np.ndarray]:
+        """The sequences built into the index (not what `add` grew), as given to `build`: `Datastore.build(
+        store.sequences() + more, vocab_size)` is the store with `more` appended."""
+        return self.index.sequences()
 
     @property
     def num_tokens(self) -> int:
@@ -249,8 +271,10 @@ class Datastore:
         if path.is_dir():
             path = path / DATASTORE_FILE
         if not path.is_file():
+            # `treespark datastore` writes DATASTORE_FILE into --output: a file's directory, else the path itself
+            directory = path.parent if path.suffix == ".safetensors" else path
             raise DatastoreError(f"no datastore at {path}: build one with `treespark datastore --data FILES "
-                                 f"--output {path.parent}`")
+                                 f"--output {directory}`")
         try:
             with safe_open(str(path), framework="numpy") as f:
                 meta = f.metadata() or {}
@@ -263,11 +287,11 @@ class Datastore:
         except Exception as err:  # safetensors raises its own error types for a cut or edited file
             raise DatastoreError(f"the datastore file {path} is damaged ({err}): rebuild it with `treespark "
                                  "datastore`") from None
-        stored_vocab = int(meta.get("vocab_size", -1))
+        stored_vocab, max_match = (_metadata_int(meta, field, path) for field in ("vocab_size", "max_match"))
         if vocab_size is not None and stored_vocab != vocab_size:
             raise DatastoreError(f"the datastore {path} was built for a vocabulary of {stored_vocab} ids, not this "
                                  f"target's {vocab_size}: build one from this target's outputs")
-        problem = _index_problem(tokens, positions, stored_vocab, int(meta.get("max_match", -1)))
+        problem = _index_problem(tokens, positions, stored_vocab, max_match)
         if problem is not None:
             raise DatastoreError(f"the datastore file {path} is damaged ({problem}): rebuild it with `treespark "
                                  "datastore`")
@@ -291,6 +315,45 @@ def step_log_prob(count: int, parent_count: int, context: int) -> float:
     share = (count + 0.5) / (parent_count + 1.0)
     z = a + b * math.log(share / (1.0 - share)) + c * math.log(context) + d * math.log(parent_count)
     return -math.log1p(math.exp(-z)) if z > -30 else z
+
+
+def _token_ids(seq, i: int) -> np.ndarray:
+    """Sequence `i` of `Datastore.build` as int64 ids; `DatastoreError` naming the first element that is not an
+    integer id (floats, bools, strings: never converted)."""
+    if isinstance(seq, (str, bytes)):
+        raise DatastoreError(f"sequence {i} is a string ({seq!r:.40}), not a list of token ids: tokenise text with "
+                             "the target's tokenizer first (`treespark datastore` reads .txt and chat JSONL files)")
+    try:
+        ids = np.asarray(seq)  # lists, tuples, numpy arrays, CPU tensors
+    except (TypeError, ValueError, RuntimeError):
+        ids = np.asarray(list(seq), dtype=object)  # ragged or mixed: found element by element below
+    if ids.size == 0:
+        return np.zeros(0, np.int64)
+    if ids.ndim != 1:
+        raise DatastoreError(f"sequence {i} has shape {ids.shape}: each sequence is a flat list of token ids")
+    mixed = isinstance(seq, (list, tuple)) and any(isinstance(t, bool) for t in seq)  # np.asarray([1, True]): ints
+    if ids.dtype.kind in "iu" and not mixed:
+        return ids.astype(np.int64)
+    values = []
+    for j, token in enumerate(seq):
+        scalar = hasattr(token, "item") and getattr(token, "ndim", 1) == 0  # numpy and torch scalars
+        value = token.item() if scalar else token
+        if isinstance(value, bool) or not isinstance(value, int):
+            kind = {bool: "bool", float: "float", str: "string"}.get(type(value), type(value).__name__)
+            raise DatastoreError(f"sequence {i}, position {j}: {value!r:.40} is a {kind}, not a token id (ids are "
+                                 "integers: a float is not truncated, a string not parsed)")
+        values.append(value)
+    return np.array(values, dtype=object)  # integers, some beyond int64: the vocabulary check names them
+
+
+def _metadata_int(meta: dict, field: str, path: Path) -> int:
+    """A whole-number metadata field of the datastore file `path` (-1 when absent: `_index_problem` names it)."""
+    text = meta.get(field, "-1")
+    try:
+        return int(text)
+    except ValueError:
+        raise DatastoreError(f"the datastore file {path} is damaged (its metadata field {field!r} is {text!r}, not "
+                             "a whole number): rebuild it with `treespark datastore`") from None
 
 
 def _index_problem(tokens: np.ndarray, positions: np.ndarray, vocab_size: int, max_match: int) -> str | None:

@@ -272,3 +272,53 @@ def test_the_command_lines_dtype_choices_are_the_loaders():
     from hf_treespark import help_format, precision
 
     assert help_format.DTYPE_CHOICES == precision.DTYPE_CHOICES
+
+
+@pytest.fixture
+def no_models(monkeypatch):
+    """Loading a model fails the test: these commands must stop at their options."""
+    from hf_treespark import loading
+
+    def refuse(*args, **kwargs):
+        pytest.fail("models loaded")
+
+    for name in ("load_pair", "load_target", "load_drafter"):
+        monkeypatch.setattr(loading, name, refuse)
+    monkeypatch.setattr(cli, "_load_pair", refuse)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["bench", "--batch-size", ""], "argument --batch-size: is empty: give batch sizes, e.g. 1,2,4,8,16"),
+    (["bench", "--batch-size", " , "], "argument --batch-size: expected whole numbers >= 1 separated by commas"),
+    (["calibrate", "--batch-sizes", ""], "argument --batch-sizes: is empty: give batch sizes, e.g. 1,2,4,8,16"),
+    (["calibrate", "--batch-sizes", "2,,4"], "argument --batch-sizes: expected whole numbers >= 1 separated by"),
+    (["calibrate", "--batch-sizes", "1000"], "argument --batch-sizes: batch size 1000 is more than 256"),
+    (["bench", "--batch-size", "2,4,257"], "argument --batch-size: batch size 257 is more than 256"),
+    (["calibrate", "--drafter", ""], "--drafter is empty: give a value, or leave the option out for its default"),
+    (["calibrate", "--target", " "], "--target is empty: give a value, or leave the option out for its default"),
+    (["bench", "--methods", ""], "--methods is empty: give a value, or leave the option out for its default"),
+    (["datastore", "--data", "x.jsonl", "--output", ""], "--output is empty: give a value"),
+    (["datastore", "--data", "", "--output", "out"], "--data is empty: give a value"),
+    (["generate", "--prompt", "hi", "--drafter", ""], "--drafter is empty"),
+])
+def test_empty_or_unbounded_option_values_are_refused_at_parsing(argv, message, no_models, capsys):
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    assert done.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"treespark {argv[0]}: error: ") and message in last, last
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--suites", " , "], "--suites ' , ': no suite named"),
+    (["--methods", ","], "--methods ',': no method named"),
+    (["--batch-size", ""], "argument --batch-size: is empty"),
+])
+def test_python_m_bench_refuses_empty_lists_too(argv, message, no_models, capsys):
+    from hf_treespark import bench
+
+    try:
+        code = bench.main(argv)
+    except SystemExit as done:
+        code = done.code
+    assert code == 2 and message in capsys.readouterr().err

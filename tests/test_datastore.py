@@ -285,5 +285,87 @@ def test_treespark_datastore_builds_from_reference_files(tmp_path, capsys):
     assert TreeSparkDrafter.from_pretrained(tmp_path / "drafter").datastore.num_tokens == 30 * (60 + 4)
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt_ids": [1], "response_ids": [1, 2, 999]}) + "\n")
-    assert cli.main(["datastore", "--data", str(bad), "--output", str(tmp_path / "drafter")]) == 2
+    assert cli.main(["datastore", "--data", str(bad), "--output", str(tmp_path / "drafter"), "--force"]) == 2
     assert "999" in capsys.readouterr().err
+    assert Datastore.load(tmp_path / "drafter").num_tokens == 30 * (60 + 4)  # the data is read before writing
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_a_drafter_carrying_a_datastore_can_be_copied_and_the_copy_drafts_the_same(how, tmp_path):
+    import copy
+    import pickle
+
+    target = make_target("llama")
+    drafter = make_drafter(target)
+    ids = prompt(6, 9)
+    drafter.datastore = own_store(target, ids, 16)
+    drafter.datastore.grow_tokens = 40
+    drafter.datastore.add(prompt(7, 12)[0].tolist())  # the grown index travels too
+    if how == "deepcopy":
+        twin = copy.deepcopy(drafter)
+    elif how == "pickle":
+        twin = pickle.loads(pickle.dumps(drafter))
+    else:
+        torch.save(drafter, tmp_path / "drafter.pt")
+        twin = torch.load(tmp_path / "drafter.pt", weights_only=False)
+    assert twin.datastore is not drafter.datastore and twin.datastore.num_tokens == drafter.datastore.num_tokens
+    assert twin.datastore.grown_index is not None
+    history = ids[0].tolist()
+    assert twin.datastore.branches(history) == drafter.datastore.branches(history)
+    runs = [target.generate(ids, assistant_model=d, do_sample=False, max_new_tokens=16, return_dict_in_generate=True)
+            for d in (drafter, twin)]
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    accepted = [[r.datastore_accepted for r in run.rounds] for run in runs]
+    assert accepted[0] == accepted[1] and sum(accepted[0]) > 0
+
+
+@pytest.mark.parametrize(("field", "value"), [("vocab_size", "lots"), ("max_match", "8.5"), ("vocab_size", "")])
+def test_datastore_metadata_that_is_not_a_whole_number_is_refused_naming_the_file_and_field(field, value, tmp_path):
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    path = Datastore.build(random_sequences(4), 12).save(tmp_path)
+    with safe_open(str(path), framework="numpy") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+        meta = dict(f.metadata())
+    meta[field] = value
+    save_file(tensors, str(path), metadata=meta)
+    message = (f"the datastore file {path} is damaged (its metadata field {field!r} is {value!r}, not a whole "
+               "number): rebuild it with `treespark datastore`")
+    with pytest.raises(DatastoreError) as refused:
+        Datastore.load(path, vocab_size=12)
+    assert str(refused.value) == message
+
+
+@pytest.mark.parametrize(("sequences", "message"), [
+    ([[1, 2], [3, 4.7, 5]], "sequence 1, position 1: 4.7 is a float, not a token id"),
+    ([[1, 2.0]], "sequence 0, position 1: 2.0 is a float, not a token id"),
+    (np.array([[1.0, 2.0]]), "sequence 0, position 0: 1.0 is a float, not a token id"),
+    ([torch.tensor([1.5, 2.0])], "sequence 0, position 0: 1.5 is a float, not a token id"),
+    ([[1, "7"]], "sequence 0, position 1: '7' is a string, not a token id"),
+    ([[1, True]], "sequence 0, position 1: True is a bool, not a token id"),
+    (["hello"], "sequence 0 is a string ('hello'), not a list of token ids"),
+    ([[[1, 2]]], "sequence 0 has shape (1, 2): each sequence is a flat list of token ids"),
+])
+def test_building_refuses_ids_that_are_not_integers_naming_the_sequence_and_position(sequences, message):
+    with pytest.raises(DatastoreError) as refused:
+        Datastore.build(sequences, 12)
+    assert str(refused.value).startswith(message), str(refused.value)
+
+
+def test_building_takes_integer_ids_of_any_kind():
+    store = Datastore.build([[1, 2, 3], np.array([1, 2, 4], np.int16), torch.tensor([1, 2, 5]), (np.int64(1), 2, 3)],
+                            12)
+    assert store.num_tokens == 12 and store.lookup([1, 2])[0] == 2
+
+
+@pytest.mark.parametrize(("where", "directory"), [
+    ("missing_drafter", "missing_drafter"),  # a directory that does not exist yet: build into it
+    ("empty", "empty"),  # an existing directory without the file
+    ("somewhere/store.safetensors", "somewhere"),
+])
+def test_a_missing_datastore_names_the_directory_to_build_it_in(where, directory, tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DatastoreError) as refused:
+        Datastore.load(tmp_path / where)
+    assert f"--output {tmp_path / directory}`" in str(refused.value)
