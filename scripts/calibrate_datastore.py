@@ -19,13 +19,12 @@ import math
 import random
 
 import numpy as np
-
-from hf_treespark import datastore
-from hf_treespark.datastore import Datastore, sequences_from_references
-from hf_treespark.training.data import load_references
+from script_args import at_least, existing_file
 
 
-def examples(store: Datastore, heldout, positions: int):
+def examples(store, heldout, positions: int):
+    from hf_treespark import datastore
+
     rows, labels = [], []
     for ref in heldout:
         ids, start = ref.input_ids, ref.prompt_len
@@ -54,7 +53,7 @@ def fit(x: np.ndarray, y: np.ndarray, steps: int = 25) -> np.ndarray:
     return w
 
 
-def accepted_per_position(store: Datastore, heldout, positions: int) -> float:
+def accepted_per_position(store, heldout, positions: int) -> float:
     total = count = 0
     for ref in heldout:
         ids, start = ref.input_ids, ref.prompt_len
@@ -72,16 +71,32 @@ def accepted_per_position(store: Datastore, heldout, positions: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--store", nargs="+", required=True)
-    parser.add_argument("--heldout", required=True)
-    parser.add_argument("--num-heldout", type=int, default=300)
-    parser.add_argument("--positions", type=int, default=128)
+    parser.add_argument("--store", type=existing_file, nargs="+", required=True)
+    parser.add_argument("--heldout", type=existing_file, required=True)
+    parser.add_argument("--num-heldout", type=at_least(1), default=300)
+    parser.add_argument("--positions", type=at_least(2), default=128)
     args = parser.parse_args()
-    store = Datastore.build(sequences_from_references(load_references(args.store, max_length=1 << 30)), 1 << 30)
+
+    from hf_treespark import datastore
+    from hf_treespark.datastore import Datastore, sequences_from_references
+    from hf_treespark.training.data import load_references
+
+    try:
+        heldout = load_references(args.heldout, max_length=1 << 30)
+        if not heldout:
+            raise ValueError(f"--heldout {args.heldout} holds no reference sequences (prompt_ids, response_ids)")
+        stored = load_references(args.store, max_length=1 << 30)
+        if not stored:
+            raise ValueError(f"--store {' '.join(args.store)}: no reference sequences (prompt_ids, response_ids)")
+    except ValueError as err:
+        parser.error(str(err))
+    store = Datastore.build(sequences_from_references(stored), 1 << 30)
     random.seed(0)
-    heldout = load_references(args.heldout, max_length=1 << 30)
     heldout = random.sample(heldout, min(args.num_heldout, len(heldout)))
     x, y = examples(store, heldout, args.positions)
+    if not len(y):
+        parser.error("no held-out position has a match in the store: nothing to fit (give more --store or "
+                     "--heldout references, or a larger --positions)")
     w = fit(x, y)
     p = 1 / (1 + np.exp(-x @ w))
     coefficients = tuple(round(float(v), 2) for v in w)

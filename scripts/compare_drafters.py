@@ -7,21 +7,28 @@ process, 128 new tokens; every output checked against plain greedy. Prints time 
 import argparse
 import time
 
-import torch
-
-from hf_treespark import assets
-from hf_treespark.bench import select_prompts
-from hf_treespark.loading import load_drafter, load_target
+from script_args import at_least, drafter_dir
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--baseline", required=True)
-    p.add_argument("--drafter", default="", help="default: the shipped drafter")
+    p.add_argument("--baseline", type=drafter_dir, required=True)
+    p.add_argument("--drafter", type=drafter_dir, help="default: the shipped drafter")
     p.add_argument("--suites", default="mtbench,humaneval")
-    p.add_argument("--num-prompts", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--num-prompts", type=at_least(1), default=8)
+    p.add_argument("--max-new-tokens", type=at_least(1), default=128)
     args = p.parse_args()
+
+    import torch
+
+    from hf_treespark import assets
+    from hf_treespark.bench import SUITES, select_prompts
+    from hf_treespark.loading import load_drafter, load_target
+
+    unknown = [s for s in args.suites.split(",") if s not in SUITES]
+    if unknown:
+        p.error(f"argument --suites: unknown suite(s) {', '.join(map(repr, unknown))}; choose from "
+                f"{', '.join(SUITES)}")
     target, tok = load_target(None, torch.float32, cpu_pack=True)
     drafters = {"baseline": load_drafter(args.baseline, torch.float32, cpu_pack=True),
                 "new": load_drafter(args.drafter, torch.float32, cpu_pack=True)}

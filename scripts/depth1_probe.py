@@ -27,10 +27,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from script_args import existing_dir, positive_number
 from torch import nn
-
-import hf_treespark
-from hf_treespark.training.depth1 import PositionShards, block_signature
 
 
 class Head(nn.Module):
@@ -92,16 +90,27 @@ def train_head(head, data, dev_sets, drafter, embed, seconds: float, batch: int 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--run", default="runs/d1", help="a `treespark train-depth1` output directory")
-    p.add_argument("--seconds", type=float, default=600, help="training time of the context-free head")
+    p.add_argument("--run", type=existing_dir, default="runs/d1", help="a `treespark train-depth1` output directory")
+    p.add_argument("--seconds", type=positive_number, default=600, help="training time of the context-free head")
     args = p.parse_args()
-    torch.manual_seed(0)
     run = Path(args.run)
+    for folder in ("positions", "dev_positions"):
+        if not (run / folder / "progress.json").is_file():
+            p.error(f"argument --run: {run / folder} holds no extracted positions: run `treespark train-depth1 "
+                    f"--output-dir {run}` first")
+
+    import hf_treespark
+    from hf_treespark.training.depth1 import PositionShards, block_signature
+
+    torch.manual_seed(0)
     target, _ = hf_treespark.load_default_target(dtype=torch.float32)
     drafter = hf_treespark.load_default_drafter(dtype=torch.float32).bind_target(target)
     signature = block_signature(drafter)
-    train = PositionShards(run / "positions", signature).load()
-    dev = PositionShards(run / "dev_positions", signature).load()
+    try:
+        train = PositionShards(run / "positions", signature).load()
+        dev = PositionShards(run / "dev_positions", signature).load()
+    except ValueError as err:  # positions of another drafter, or a damaged shard
+        p.error(f"argument --run: {err}")
     first = {k: v[:5000] for k, v in train.items()}  # the first training references' positions
     embed = target.get_input_embeddings().weight.detach().float()
     for p_ in drafter.parameters():

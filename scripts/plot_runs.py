@@ -9,11 +9,52 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from script_args import existing_file
+
+FIELDS = ("anchors_seen", "dev_acceptance_length", "dev_depth_rates")
+
+
+def run_spec(text: str) -> tuple[str, str]:
+    """argparse type of a run: `LABEL=METRICS_JSONL`, the file existing."""
+    label, sep, path = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"{text!r}: give LABEL=METRICS_JSONL")
+    return label, existing_file(path)
+
+
+def output_png(text: str) -> str:
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory: give the figure's file name, e.g. runs.png")
+    if any(p.exists() and not p.is_dir() for p in path.parents):
+        raise argparse.ArgumentTypeError(f"{text}: a folder on its path is a file")
+    return text
+
+
+def read_rows(parser: argparse.ArgumentParser, path: str) -> list[dict]:
+    """The development-set evaluations of one run, each with the fields the figure draws; refused by name when
+    there is none or a row lacks a field."""
+    from hf_treespark.training.evaluate import read_curve
+
+    try:
+        rows = read_curve(path)
+    except UnicodeDecodeError:
+        parser.error(f"{path} is not UTF-8 text: give the metrics.jsonl of a training run")
+    if not rows:
+        parser.error(f"{path} has no development-set evaluation")
+    for row in rows:
+        missing = [f for f in FIELDS if f not in row]
+        rates = row.get("dev_depth_rates")
+        if missing or not (isinstance(rates, list) and rates):
+            parser.error(f"{path}: an evaluation lacks {', '.join(map(repr, missing or ['dev_depth_rates']))}: "
+                         "give the metrics.jsonl of `treespark train --eval-every`")
+    return rows
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out_png")
-    parser.add_argument("runs", nargs="+", help="LABEL=METRICS_JSONL")
+    parser.add_argument("out_png", type=output_png)
+    parser.add_argument("runs", type=run_spec, nargs="+", help="LABEL=METRICS_JSONL")
     args = parser.parse_args()
 
     import matplotlib
@@ -21,16 +62,14 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from hf_treespark.training.evaluate import read_curve
-
     fig, (length, depth1) = plt.subplots(1, 2, figsize=(11, 4))
-    for spec in args.runs:
-        label, sep, path = spec.partition("=")
-        if not sep:
-            parser.error(f"{spec!r}: give LABEL=METRICS_JSONL")
-        rows = read_curve(path)
-        if not rows:
-            parser.error(f"{path} has no development-set evaluation")
+    kind = Path(args.out_png).suffix.lstrip(".").lower() or "png"
+    formats = fig.canvas.get_supported_filetypes()
+    if kind not in formats:
+        parser.error(f"argument out_png: matplotlib cannot write {kind!r} figures; end the name in one of "
+                     f"{', '.join(sorted(formats))}")
+    curves = [(label, read_rows(parser, path)) for label, path in args.runs]  # every file checked before drawing
+    for label, rows in curves:
         anchors = [r["anchors_seen"] for r in rows]
         length.plot(anchors, [r["dev_acceptance_length"] for r in rows], "o-", label=label)
         depth1.plot(anchors, [100 * r["dev_depth_rates"][0] for r in rows], "s-", label=label)

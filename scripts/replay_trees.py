@@ -31,6 +31,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
+from script_args import at_least, existing_file, non_negative_number, output_file, positive_number, probability
 
 DEPTH_CAP = 4  # conditional rates are fitted per depth 1..DEPTH_CAP (deeper nodes share the last)
 
@@ -54,7 +55,8 @@ def record(args) -> int:
 
     target, tokenizer = load_default_target()
     drafter = load_default_drafter()
-    with open(args.output, "w") as f:
+    partial = Path(f"{args.output}.partial")  # an earlier recording at --output stays until this one is complete
+    with open(partial, "w") as f:
         for suite, prompt in tqdm(development_prompts(), desc="recording trees"):
             inputs = assets.chat_inputs(tokenizer, prompt)
             if inputs["input_ids"].shape[1] > 512:
@@ -65,6 +67,7 @@ def record(args) -> int:
             rounds = [{"tree": {k: v for k, v in r.tree.items() if k != "candidates"}, "path": r.accepted_path}
                       for r in out.rounds]
             f.write(json.dumps({"suite": suite, "rounds": rounds}) + "\n")
+    partial.replace(args.output)
     print(f"wrote {args.output}")
     return 0
 
@@ -78,15 +81,68 @@ def node_kind(tree: dict, i: int, lookup_only: bool) -> tuple[str, int, int]:
     return ("LO-" if lookup_only else "") + source, min(tree["depths"][i], DEPTH_CAP), min(int(step * 5), 4)
 
 
+TREE_FIELDS = ("tokens", "parents", "depths", "scores", "lookup", "retrieved")
+
+
+def _is_index(value, low: int, size: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value < size
+
+
+def round_problem(rnd) -> str | None:
+    """What makes a recorded round unusable (a missing field, lists of unequal length, an index outside the
+    tree), or None."""
+    if not isinstance(rnd, dict) or not isinstance(rnd.get("tree"), dict) or not isinstance(rnd.get("path"), list):
+        return "a round needs a 'tree' object and a 'path' list"
+    tree = rnd["tree"]
+    missing = [k for k in TREE_FIELDS if not isinstance(tree.get(k), list)]
+    if missing:
+        return f"the tree lacks the list(s) {', '.join(map(repr, missing))}"
+    size = len(tree["tokens"])
+    if size == 0 or any(len(tree[k]) != size for k in TREE_FIELDS):
+        return f"the tree's lists {', '.join(TREE_FIELDS)} must be as long as each other, root first"
+    if not (all(_is_index(p, 0, size) for p in tree["parents"][1:])
+            and all(_is_index(d, 1, size) for d in tree["depths"][1:])):
+        return f"a parent or depth lies outside the tree of {size - 1} nodes"
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in tree["scores"]):
+        return "a score is not a finite number"
+    if not all(_is_index(node, 1, size) for node in rnd["path"]):
+        return f"the accepted path {rnd['path']} names a node outside the tree of {size - 1} nodes"
+    return None
+
+
+def read_records(path: str) -> list[dict]:
+    """The records of a `record` file; `ValueError` naming the file and line of one that is not JSON or lacks
+    the fields `record` writes."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not UTF-8 text: give the jsonl file that `record` wrote") from None
+    records = []
+    for line_no, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{line_no}: not a JSON line ({err}); give the file that `record` wrote") from None
+        if not isinstance(rec, dict) or not isinstance(rec.get("rounds"), list):
+            problem = "no 'rounds' list: give the file that `record` wrote"
+        else:
+            problem = next((f"round {k}: {p}" for k, p in enumerate(map(round_problem, rec["rounds"])) if p), None)
+        if problem:
+            raise ValueError(f"{path}:{line_no}: {problem}")
+        records.append(rec)
+    return records
+
+
 def load_rounds(path: str) -> list[dict]:
     rounds = []
-    for prompt, line in enumerate(Path(path).read_text().splitlines()):
-        rec = json.loads(line)
+    for prompt, rec in enumerate(read_records(path)):
         for rnd in rec["rounds"]:
             tree = rnd["tree"]
             n = len(tree["tokens"]) - 1
             drafted = any(not tree["lookup"][i] and not tree["retrieved"][i] for i in range(1, n + 1))
-            rounds.append({"suite": rec["suite"], "prompt": prompt, "tree": tree, "n": n, "path": rnd["path"],
+            rounds.append({"suite": rec.get("suite"), "prompt": prompt, "tree": tree, "n": n, "path": rnd["path"],
                            "accepted": set(rnd["path"]) | {0}, "drafted": drafted,
                            "kinds": [None] + [node_kind(tree, i, not drafted) for i in range(1, n + 1)]})
     return rounds
@@ -155,13 +211,49 @@ def threshold_policy(rates: dict, tau: float):
     return keep
 
 
-def analyse(args) -> int:
+def verify_problem(entry) -> str | None:
+    """What makes a latency cache entry unusable for the cost model (no plain step `"0"`, a time that is not a
+    positive number), or None."""
+    verify = entry.get("verify") if isinstance(entry, dict) else None
+    if not isinstance(verify, dict) or "0" not in verify:
+        return "it has no 'verify' table with a plain step ('0')"
+    try:
+        if all(int(n) >= 0 and isinstance(t, (int, float)) and 0 < t < 60 for n, t in verify.items()):
+            return None
+    except ValueError:
+        pass
+    return "its 'verify' table maps something other than node counts to seconds"
+
+
+def latency_entry(key: str | None) -> dict:
+    """The cost model's entry of the latency cache: `key`, or the first usable batch-1 one; `ValueError` saying
+    what to do when there is none."""
     from hf_treespark.storage import cache_dir
 
-    rounds = load_rounds(args.trees)
-    entries = json.loads((Path(cache_dir()) / "round_latency.json").read_text())
-    key = args.latency_key or next(k for k in entries if "|batch=" not in k)
-    cost = CostModel(entries[key], args.plain_ms, args.draft_ms, args.overhead_ms)
+    path = Path(cache_dir()) / "round_latency.json"
+    if not path.is_file():
+        raise ValueError(f"no latency cache at {path}: run `treespark calibrate` on this machine first (or set "
+                         "HF_TREESPARK_CACHE to the folder that holds one)")
+    try:
+        entries = json.loads(path.read_bytes())
+    except ValueError as err:
+        raise ValueError(f"the latency cache {path} is not JSON ({err}): run `treespark calibrate --force`") from None
+    if not isinstance(entries, dict):
+        raise ValueError(f"the latency cache {path} is not a table: run `treespark calibrate --force`")
+    if key is None:
+        key = next((k for k, e in entries.items() if "|batch=" not in k and verify_problem(e) is None), None)
+        if key is None:
+            raise ValueError(f"the latency cache {path} has no usable batch-1 entry: run `treespark calibrate`")
+    elif key not in entries:
+        raise ValueError(f"--latency-key {key!r} is not in the latency cache {path}; its entries: "
+                         f"{', '.join(map(repr, entries)) or 'none'}")
+    elif verify_problem(entries[key]):
+        raise ValueError(f"--latency-key {key!r}: {verify_problem(entries[key])}; give another entry or run "
+                         "`treespark calibrate --force`")
+    return entries[key]
+
+
+def analyse(args, rounds: list[dict], cost: CostModel) -> int:
     print(f"{len(rounds)} rounds, {sum(r['drafted'] for r in rounds)} with a drafter pass; plain step "
           f"{args.plain_ms + args.overhead_ms:.1f} ms\n")
     print("| node kind | depth | step probability | nodes whose parent was accepted | accepted |")
@@ -174,6 +266,9 @@ def analyse(args) -> int:
     print("\n| policy | tested on | tokens per round | nodes per round | ms per round | tokens/s |")
     print("|---|---|---|---|---|---|")
     for h, test in enumerate(halves):
+        if not test:
+            print(f"| (no rounds in half {h}: the file holds one prompt) | | | | | |")
+            continue
         rates = conditional_rates(halves[1 - h])
         policies = [(f"current, budget {b}", current_policy(b)) for b in (2, 4)]
         policies += [(f"threshold {t:.2f}", threshold_policy(rates, t)) for t in args.thresholds]
@@ -188,19 +283,32 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     rec = sub.add_parser("record", help="record every round's tree on the development prompts")
-    rec.add_argument("--budget", type=int, default=16)
-    rec.add_argument("--max-new-tokens", type=int, default=128)
-    rec.add_argument("--output", required=True)
+    rec.add_argument("--budget", type=at_least(1), default=16)
+    rec.add_argument("--max-new-tokens", type=at_least(1), default=128)
+    rec.add_argument("--output", type=output_file, required=True)
     ana = sub.add_parser("analyse", help="acceptance by node kind and node-selection policies, replayed")
-    ana.add_argument("trees")
-    ana.add_argument("--plain-ms", type=float, default=65.0, help="a plain target forward at the prompts' context")
-    ana.add_argument("--draft-ms", type=float, default=15.5, help="the drafter pass (`treespark bench --profile`)")
-    ana.add_argument("--overhead-ms", type=float, default=8.7, help="tree building and the loop, per round")
+    ana.add_argument("trees", type=existing_file)
+    ana.add_argument("--plain-ms", type=positive_number, default=65.0,
+                     help="a plain target forward at the prompts' context")
+    ana.add_argument("--draft-ms", type=non_negative_number, default=15.5,
+                     help="the drafter pass (`treespark bench --profile`)")
+    ana.add_argument("--overhead-ms", type=non_negative_number, default=8.7,
+                     help="tree building and the loop, per round")
     ana.add_argument("--latency-key", default=None, help="entry of the latency cache (default: the first batch-1)")
-    ana.add_argument("--thresholds", type=float, nargs="+", default=[0.03, 0.05, 0.07, 0.1])
-    ana.add_argument("--min-count", type=int, default=30)
+    ana.add_argument("--thresholds", type=probability, nargs="+", default=[0.03, 0.05, 0.07, 0.1])
+    ana.add_argument("--min-count", type=at_least(0), default=30)
     args = parser.parse_args(argv)
-    return record(args) if args.command == "record" else analyse(args)
+    if args.command == "record":
+        return record(args)
+    try:
+        rounds = load_rounds(args.trees)
+        if not rounds:
+            raise ValueError(f"{args.trees} holds no rounds: record some with `python scripts/replay_trees.py "
+                             f"record --output {args.trees}`")
+        cost = CostModel(latency_entry(args.latency_key), args.plain_ms, args.draft_ms, args.overhead_ms)
+    except ValueError as err:
+        parser.error(str(err))
+    return analyse(args, rounds, cost)
 
 
 if __name__ == "__main__":

@@ -16,13 +16,7 @@ import shutil
 import sys
 from pathlib import Path
 
-import numpy as np
-import torch
-
-from hf_treespark.assets import DEFAULT_DRAFTER_DIR
-from hf_treespark.datastore import DATASTORE_FILE
-from hf_treespark.hub import save_drafter
-from hf_treespark.modeling import TreeSparkDrafter
+from script_args import at_least, drafter_dir, existing_file
 
 
 def keep_unchanged_datastore(shipped: Path, staged: Path) -> None:
@@ -30,6 +24,7 @@ def keep_unchanged_datastore(shipped: Path, staged: Path) -> None:
     metadata keys in no fixed order, so a re-save of the same datastore is a new 10 MB binary for version control."""
     if not (shipped.exists() and staged.exists()):
         return
+    import numpy as np
     from safetensors import safe_open
 
     with safe_open(str(shipped), "np") as old, safe_open(str(staged), "np") as new:
@@ -39,19 +34,46 @@ def keep_unchanged_datastore(shipped: Path, staged: Path) -> None:
         shutil.copyfile(shipped, staged)
 
 
+def tree_budget(text: str) -> str | int:
+    """argparse type of `--budget`: "auto" or a whole number >= 1."""
+    if text == "auto":
+        return text
+    try:
+        return at_least(1)(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or a whole number >= 1, got {text!r}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("drafter", help="trained drafter directory (e.g. runs/treespark/final)")
-    parser.add_argument("--table", help="markdown file with the acceptance table for the model card")
-    parser.add_argument("--budget", default="auto", help="tree budget to ship ('auto' or an integer)")
-    parser.add_argument("--lookup", type=int, default=0, help="tokens per lookup branch to ship (0 = off)")
+    parser.add_argument("drafter", type=drafter_dir, help="trained drafter directory (e.g. runs/treespark/final)")
+    parser.add_argument("--table", type=existing_file,
+                        help="markdown file with the acceptance table for the model card")
+    parser.add_argument("--budget", type=tree_budget, default="auto",
+                        help="tree budget to ship ('auto' or an integer)")
+    parser.add_argument("--lookup", type=at_least(0), default=0, help="tokens per lookup branch to ship (0 = off)")
     args = parser.parse_args(argv)
+    try:
+        table = Path(args.table).read_text(encoding="utf-8") if args.table else None
+    except UnicodeDecodeError:
+        parser.error(f"argument --table: {args.table} is not UTF-8 text: give the markdown file of the table")
 
-    drafter = TreeSparkDrafter.from_pretrained(args.drafter, dtype=torch.bfloat16)
-    drafter.config.tree_budget = args.budget if args.budget == "auto" else int(args.budget)
-    drafter.config.tree_lookup = args.lookup
-    drafter.config.validate_fields()
-    table = Path(args.table).read_text() if args.table else None
+    import torch
+    from safetensors import SafetensorError
+
+    from hf_treespark.assets import DEFAULT_DRAFTER_DIR
+    from hf_treespark.datastore import DATASTORE_FILE
+    from hf_treespark.hub import save_drafter
+    from hf_treespark.modeling import TreeSparkDrafter
+
+    try:
+        drafter = TreeSparkDrafter.from_pretrained(args.drafter, dtype=torch.bfloat16)
+        drafter.config.tree_budget = args.budget
+        drafter.config.tree_lookup = args.lookup
+        drafter.config.validate_fields()
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as err:
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        parser.error(f"argument drafter: {args.drafter} does not load as a TreeSpark drafter ({reason})")
     staging = DEFAULT_DRAFTER_DIR.with_name("default_drafter.staging")
     shutil.rmtree(staging, ignore_errors=True)
     save_drafter(drafter, staging, acceptance_table=table, dtype=torch.bfloat16)  # whatever the source stored

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import time
 
-import torch
+from script_args import at_least, existing_file, output_dir
 
 ROWS = [  # (preset, draft vocabulary size or None, replay anchors per sequence or None)
     ("dspark", None, None),
@@ -29,6 +29,8 @@ ROWS = [  # (preset, draft vocabulary size or None, replay anchors per sequence 
 
 
 def measure(target, references, preset: str, vocab: int | None, replay: int | None, args) -> dict:
+    import torch
+
     from hf_treespark.configuration import TreeSparkConfig
     from hf_treespark.modeling import TreeSparkDrafter
     from hf_treespark.training.cli import DEFAULT_MASK_TOKEN_ID, set_draft_vocabulary
@@ -62,27 +64,49 @@ def measure(target, references, preset: str, vocab: int | None, replay: int | No
             "target_share": target_seconds / seconds}
 
 
-def main() -> None:
-    from hf_treespark.assets import load_default_target
-    from hf_treespark.help_format import DefaultsHelpFormatter
-    from hf_treespark.precision import dtype_name
-    from hf_treespark.training.data import load_references
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """`--help` with each option's default and the docstring as written (parsing imports no torch)."""
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=DefaultsHelpFormatter)
-    p.add_argument("--data", nargs="+", required=True, help="reference JSONL files")
-    p.add_argument("--sequences", type=int, default=64, help="references to draw batches from")
-    p.add_argument("--batch-size", type=int, default=4, help="sequences per step")
-    p.add_argument("--anchors", type=int, default=64, help="anchors per sequence")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per row")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per row")
-    p.add_argument("--max-length", type=int, default=512, help="tokens per reference sequence")
-    p.add_argument("--feature-cache", help="read target features from this cache instead of a target forward")
-    p.add_argument("--output-dir", default="runs/throughput", help="scratch directory")
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--data", type=existing_file, nargs="+", required=True, help="reference JSONL files")
+    p.add_argument("--sequences", type=at_least(1), default=64, help="references to draw batches from")
+    p.add_argument("--batch-size", type=at_least(1), default=4, help="sequences per step")
+    p.add_argument("--anchors", type=at_least(1), default=64, help="anchors per sequence")
+    p.add_argument("--warmup", type=at_least(0), default=1, help="untimed steps per row")
+    p.add_argument("--steps", type=at_least(1), default=3, help="timed steps per row")
+    p.add_argument("--max-length", type=at_least(2), default=512, help="tokens per reference sequence")
+    p.add_argument("--feature-cache", type=output_dir,
+                   help="read target features from this cache instead of a target forward")
+    p.add_argument("--output-dir", type=output_dir, default="runs/throughput", help="scratch directory")
     p.add_argument("--dtype", default="auto", help="target dtype")
     args = p.parse_args()
+
+    import torch
+
+    from hf_treespark.assets import load_default_target
+    from hf_treespark.precision import dtype_name, resolve_dtype
+    from hf_treespark.training.data import check_token_ids, load_references
+
+    try:
+        resolve_dtype(args.dtype)
+    except ValueError as err:
+        p.error(f"argument --dtype: {err}")
+    try:  # read before the target loads (the token ids are checked against its vocabulary once it has)
+        references = load_references(args.data, max_length=args.max_length, limit=args.sequences)
+    except ValueError as err:
+        p.error(str(err))
+    batches = -(-len(references) // args.batch_size)
+    if batches < args.warmup + args.steps:
+        p.error(f"--data gives {len(references)} reference sequence(s): {batches} batch(es) of --batch-size "
+                f"{args.batch_size}, fewer than --warmup {args.warmup} + --steps {args.steps}; give more data "
+                "(or a larger --sequences), or fewer steps")
     target, _ = load_default_target(dtype=args.dtype)
-    references = load_references(args.data, max_length=args.max_length, limit=args.sequences,
-                                 vocab_size=target.config.vocab_size)
+    try:
+        check_token_ids(references, target.config.vocab_size)
+    except ValueError as err:
+        p.error(f"--data: {err}")
     print(f"target dtype {dtype_name(next(target.parameters()).dtype)}, {torch.get_num_threads()} threads, "
           f"batch {args.batch_size} x {args.anchors} anchors, {args.steps} timed steps per row")
     print("| preset | draft vocabulary | replayed anchors / sequence | anchors/s | s / step | target forward share |")
