@@ -232,8 +232,10 @@ CUSTOM_GENERATE_DIR = "custom_generate"
 # The package modules that `hub_generate.py` needs (it and they import only torch, transformers, numpy and
 # each other). Adjust when the decoding loop's modules change; a test checks the set is closed under imports.
 CUSTOM_GENERATE_MODULES = ("batch.py", "budget.py", "configuration.py", "datastore.py", "engine.py", "generation.py",
-                           "integration.py", "lookup.py", "modeling.py", "storage.py", "tree.py", "verify.py",
-                           "cpu_gemm.py", "latency.py")
+                           "integration.py", "lookup.py", "modeling.py", "modeling_binding.py", "modeling_block.py",
+                           "modeling_heads.py", "modeling_io.py", "storage.py", "tree.py", "verify.py", "cpu_gemm.py",
+                           "latency.py",
+                           "generation_checks.py", "generation_output.py", "generation_batch.py")
 
 
 def write_custom_generate(save_directory: str | os.PathLike) -> Path:
