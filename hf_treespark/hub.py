@@ -1,10 +1,10 @@
 """Sharing drafters: model cards, saving and pushing to the Hub, DSpark checkpoint conversion.
 
 A TreeSpark drafter directory is what `save_pretrained` writes (`config.json` with an `auto_map`,
-`model.safetensors`, and `modeling.py` + `configuration.py` as remote code, because `import
-hf_treespark` registers the classes for auto classes; `custom_generate/`, the tree decoding loop
-as a transformers `custom_generate` recipe for users without the package) plus a `README.md`
-model card:
+`model.safetensors`, and `modeling.py`, `configuration.py` and the modules they import (`modeling_*.py`,
+`cpu_gemm.py`, `datastore.py`) as remote code, because `import hf_treespark` registers the classes for auto
+classes; `custom_generate/`, the tree decoding loop as a transformers `custom_generate` recipe for users
+without the package) plus a `README.md` model card:
 
     save_drafter(drafter, "my-drafter", acceptance_table=table)
     push_drafter_to_hub(drafter, "me/my-drafter", acceptance_table=table)
@@ -64,8 +64,8 @@ def save_drafter(
 ) -> Path:
     """`drafter.save_pretrained(save_directory, **kwargs)` plus a `README.md` model card (kept if one exists).
 
-    The directory then holds `config.json` (with `auto_map`), `model.safetensors`, `modeling.py` and
-    `configuration.py` (remote code for `trust_remote_code=True`), `custom_generate/` (see
+    The directory then holds `config.json` (with `auto_map`), `model.safetensors`, `modeling.py`,
+    `configuration.py` and the modules they import (remote code for `trust_remote_code=True`), `custom_generate/` (see
     `write_custom_generate`) and the card. Returns the directory.
     """
     if kwargs.get("push_to_hub"):
