@@ -6,7 +6,7 @@ import importlib
 
 import pytest
 
-from hf_treespark import bench, cli
+from hf_treespark import bench, bench_report, cli
 
 
 @pytest.fixture
@@ -48,7 +48,7 @@ def test_results_go_to_a_fallback_directory_when_the_output_dir_fails_at_the_end
         written.append(out_dir)
         return [out_dir / "results.json"]
 
-    monkeypatch.setattr(bench, "write_report", write_report)
+    monkeypatch.setattr(bench_report, "write_report", write_report)  # what save_report calls
     paths = bench.save_report({"results": []}, tmp_path / "gone")
     assert len(written) == 1 and written[0].name.startswith("treespark-bench-")
     assert paths == [written[0] / "results.json"]
