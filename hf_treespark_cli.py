@@ -5,6 +5,9 @@ classes and routes `generate()`): several seconds. Parsing the command line need
 module makes the package's modules importable without running its `__init__`, parses the command line
 with `hf_treespark.cli`, and runs the package's `__init__` (the whole `import hf_treespark`) just before
 the command itself runs. `python -m hf_treespark.cli` and `hf_treespark.cli.main` work as before.
+
+The options of bench, train, train-depth1, distil and export come from the modules that run them, which import
+torch: their `--help` takes that import (a few seconds), though still not the package's `__init__`.
 """
 
 from __future__ import annotations

@@ -1,27 +1,22 @@
-"""The `treespark` command."""
+"""The `treespark` command: one function per subcommand that runs it (its options: `cli_args`), and `commands()`,
+the table of subcommands that the parser is built from."""
 
 from __future__ import annotations
 
 import argparse
 import functools
-import math
 import os
 import socket
 import sys
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 # Only light modules here: parsing the command line (`--help`, `--version`) imports no torch or transformers.
 # Each command imports what it needs when it runs.
-from .help_format import (
-    CPU_PACK_CHOICES,
-    CPU_PACK_HELP,
-    DTYPE_CHOICES,
-    DefaultsHelpFormatter,
-    batch_sizes,
-    cpu_pack_option,
-    refuse_empty_values,
-)
+from . import cli_args
+from .cli_calibrate import parse_budgets, print_batch_latency, print_latency, read_drafter_config, write_config
+from .help_format import DefaultsHelpFormatter, cpu_pack_option, refuse_empty_values
 from .version import __version__
 
 
@@ -86,45 +81,19 @@ def cmd_calibrate(args) -> int:
     """Measure what a round costs on this machine (the latency cache) and, for a drafter directory, the
     drafter's acceptance length per tree budget, stored in its config. Inputs and the directory's
     writability are checked before anything is measured; a profile that would not load is never written."""
-    import json
-    from pathlib import Path
-
     from . import budget
-    from .configuration import TreeSparkConfig
-    from .storage import unwritable_reason
     from .tree import TreePolicy
 
-    try:
-        budgets = tuple(sorted({int(n) for n in args.budgets.split(",")}))
-    except ValueError:
-        raise ValueError(f"--budgets {args.budgets!r}: expected comma-separated integers, e.g. 2,4,8") from None
-    if not budgets or min(budgets) < 1:
-        raise ValueError(f"--budgets {args.budgets!r}: budgets must be positive integers")
+    budgets = parse_budgets(args.budgets)
     batch_sizes = [b for b in args.batch_sizes or () if b > 1]  # one row: the latency measured anyway
-    config_path = Path(args.drafter) / "config.json" if args.drafter else None
-    if config_path is not None:
-        if not config_path.is_file():
-            raise OSError(f"No TreeSpark drafter directory at {args.drafter!r} (config.json missing)")
-        try:
-            config = json.loads(config_path.read_text(encoding="utf-8"))
-            drafter_config = TreeSparkConfig.from_dict(config)
-        except (UnicodeDecodeError, ValueError, TypeError) as err:
-            raise ValueError(f"{config_path} is not a valid drafter config ({err}): nothing was measured") from None
-        pool = TreePolicy.from_config(drafter_config, budget=1).with_budget(10**9).num_candidates
-        if max(budgets) > pool:
-            raise ValueError(f"--budgets {args.budgets!r}: the drafter's trees hold at most {pool} candidates "
-                             f"(tree_topk, tree_frontier, tree_depth), so budget {max(budgets)} is never used; "
-                             f"choose budgets up to {pool}")
-        problem = None if args.latency_only else unwritable_reason(config_path.parent)
-        if problem is not None:
-            raise OSError(f"cannot write the acceptance profile into {config_path.parent} ({problem}): copy the "
-                          "drafter to a writable directory and calibrate that")
+    config_path, config = (read_drafter_config(args.drafter, budgets, args.budgets, args.latency_only)
+                           if args.drafter else (None, None))
     target, tokenizer, drafter = _load_pair(args)
     policy = TreePolicy.from_config(drafter.config)
-    _print_latency(budget.calibrate_latency(target, drafter, policy, refresh=args.force), target, drafter, policy)
+    print_latency(budget.calibrate_latency(target, drafter, policy, refresh=args.force), target, drafter, policy)
     for size in batch_sizes:
         latency = budget.calibrate_latency(target, drafter, policy, refresh=args.force, batch=size)
-        _print_batch_latency(size, latency, target, drafter, policy)
+        print_batch_latency(size, latency, target, drafter, policy)
     if config_path is None or args.latency_only:
         return 0
     prompts = _calibration_prompts(args, tokenizer)
@@ -138,15 +107,12 @@ def cmd_calibrate(args) -> int:
             max_new_tokens=args.max_new_tokens, pad_token_id=pad)
         print(f"[calibrate] acceptance length per row and round in batches of {min(batch_sizes)}: "
               f"{config['batch_acceptance_profile']}")
-    TreeSparkConfig.from_dict(config)  # raises, before writing, if the directory would no longer load
-    tmp = config_path.with_suffix(".json.tmp")  # a crash never leaves a half-written config
-    tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    tmp.replace(config_path)
+    write_config(config_path, config)
     print(f"[calibrate] acceptance length per budget on {len(prompts)} {args.suite} prompts: {profile}; "
           f"written to {config_path}")
     drafter.config.acceptance_profile = profile
     if policy.auto:
-        _print_latency(budget.calibrate_latency(target, drafter, policy), target, drafter, policy)
+        print_latency(budget.calibrate_latency(target, drafter, policy), target, drafter, policy)
     return 0
 
 
@@ -165,42 +131,6 @@ def _calibration_prompts(args, tokenizer) -> list[dict]:
     if not prompts:
         raise ValueError(f"--suite {args.suite!r} has no prompt within 512 tokens: nothing to calibrate on")
     return prompts
-
-
-def _print_latency(latency, target, drafter, policy) -> None:
-    """`treespark calibrate`'s report: the latency table and the budget "auto" takes from it."""
-    from .budget import LATENCY_FILE, describe_latency, fallback_budget, profile_acceptance
-    from .storage import cache_dir
-
-    if latency is None:
-        print(f"[calibrate] no trusted round latency for this machine: tree_budget='auto' uses its default, "
-              f"{fallback_budget(target, policy, drafter)} (see the warning above; measure again on a quiet machine "
-              "with --force)")
-        return
-    profile = getattr(drafter.config, "acceptance_profile", None)
-    acceptance = profile_acceptance(profile, sorted(latency["draft"])) if profile else None
-    print(f"[calibrate] round latency on this machine ({cache_dir() / LATENCY_FILE}):\n"
-          + describe_latency(latency, acceptance))
-    if acceptance is None:
-        print("[calibrate] the drafter has no acceptance_profile yet: 'auto' will price budgets from its first "
-              "round's tree scores")
-
-
-def _print_batch_latency(size: int, latency, target, drafter, policy) -> None:
-    """One line per measured batch size: a round's cost in plain steps of that batch, and the budget "auto" takes."""
-    from .budget import BatchBudget
-
-    if latency is None:
-        print(f"[calibrate] batch {size}: no trusted round latency (see the warning above): 'auto' uses the default "
-              "costs for batches")
-        return
-    step = latency["verify"][0]
-    costs = ", ".join(f"N={n} {(latency['verify'][n] + latency['draft'][n]) / step:.2f}"
-                      for n in sorted(latency["draft"]))
-    chooser = BatchBudget(target, drafter, policy)
-    choice = "from the first round's scores" if chooser.needs_scores else str(chooser(size) or "0 (plain steps)")
-    print(f"[calibrate] batch {size}: plain step {step * 1e3:.1f} ms; a round costs {costs} plain steps; "
-          f"auto budget {choice}")
 
 
 def cmd_draft_vocab(args) -> int:
@@ -282,13 +212,6 @@ def cmd_datastore(args) -> int:
     return 0
 
 
-def cmd_train_depth1(args) -> int:
-    """`hf_treespark.training.depth1.run`."""
-    from .training.depth1 import run
-
-    return run(args)
-
-
 def cmd_demo(args) -> int:
     from .demo import build_app, import_gradio, launch
 
@@ -330,19 +253,22 @@ def demo_address(host: str | None, port: int | None) -> tuple[str, int]:
     return host, port
 
 
-def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", help="target model name or path (default: offline SmolLM2-135M-Instruct)")
-    parser.add_argument("--drafter", help="drafter name or path (default: the shipped drafter)")
-    parser.add_argument("--host", help="address to serve on (default: $GRADIO_SERVER_NAME or 127.0.0.1; "
-                                       "0.0.0.0: the whole network)")
-    parser.add_argument("--port", type=int, help="port to serve on (default: $GRADIO_SERVER_PORT or 7860)")
-    parser.add_argument("--share", action="store_true", help="also open a public gradio.live link (off by default)")
-    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                        help="auto: bf16 where the device computes it natively, else fp32")
-
-
 def cmd_train(args) -> int:
     from .training.cli import run
+
+    return run(args)
+
+
+def cmd_train_depth1(args) -> int:
+    """`hf_treespark.training.depth1.run`."""
+    from .training.depth1 import run
+
+    return run(args)
+
+
+def cmd_distil(args) -> int:
+    """`hf_treespark.training.distill.run`."""
+    from .training.distill import run
 
     return run(args)
 
@@ -390,82 +316,6 @@ def cmd_push(args) -> int:
     return 0
 
 
-def add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--drafter", help="drafter directory; its config.json gets acceptance_profile (default: the "
-                                          "shipped drafter, latency only)")
-    parser.add_argument("--target", help="target model name or path (default: offline SmolLM2-135M-Instruct)")
-    parser.add_argument("--suite", default="sharegpt", help="prompt suite (mtbench, humaneval, sharegpt held-out)")
-    parser.add_argument("--num-prompts", type=positive_int, default=8)
-    parser.add_argument("--max-new-tokens", type=positive_int, default=96)
-    parser.add_argument("--budgets", default="2,4,8,16,32,64")
-    parser.add_argument("--force", action="store_true",
-                        help="measure this machine's round latency again (on a quiet machine), replacing the "
-                             "cached one")
-    parser.add_argument("--batch-sizes", metavar="B[,B...]", type=batch_sizes,
-                        help="also measure rounds of these batch sizes (1-256), for 'auto' in batched generate "
-                             "(e.g. 2,4,8,16), and (with --drafter) the acceptance per row in batches of the smallest")
-    parser.add_argument("--latency-only", action="store_true",
-                        help="only the round latency; leave the drafter's acceptance_profile as it is")
-    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                        help="auto: bf16 where the device computes it natively, else fp32")
-    parser.add_argument("--cpu-pack", choices=CPU_PACK_CHOICES, default="auto", help=CPU_PACK_HELP)
-
-
-def add_datastore_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data", nargs="+", required=True,
-                        help="the target's outputs: .txt plain text; .jsonl or .jsonl.gz records with prompt_ids and "
-                             "response_ids (what `treespark train --data` reads), or chats (messages or "
-                             "conversations: their assistant turns are indexed)")
-    parser.add_argument("--output", required=True,
-                        help="drafter directory to add datastore.safetensors to (or a new directory for it alone)")
-    parser.add_argument("--target", help="the target's name or path, for its tokenizer and chat template (text and "
-                                         "chats; default: the offline default target)")
-    parser.add_argument("--vocab-size", type=positive_int,
-                        help="the target's vocabulary size (default: the --output drafter's target_vocab_size, else "
-                             "the offline default target's)")
-    again = parser.add_mutually_exclusive_group()
-    again.add_argument("--append", action="store_true", help="add to the datastore --output holds")
-    again.add_argument("--force", action="store_true", help="replace the datastore --output holds")
-
-
-def add_push_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--drafter", required=True, help="drafter directory, e.g. OUTPUT_DIR/final of a training run")
-    parser.add_argument("--repo-id", required=True, help="Hub repository to create or update, ORG/NAME")
-    parser.add_argument("--private", action="store_true", help="create the repository as private")
-    parser.add_argument("--token", help="Hub token (default: the one `hf auth login` stored, or $HF_TOKEN)")
-
-
-def positive_int(text: str) -> int:
-    """argparse type of counts: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
-    return value
-
-
-def is_utf8(text: str) -> bool:
-    """False for a command-line argument that held bytes that are not UTF-8 (Python keeps them as lone surrogates)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def temperature(text: str) -> float:
-    """argparse type of `--temperature`: a finite number >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (0 = greedy), got {text!r}")
-    return value
-
-
 def _one_line_warnings() -> None:
     """The package's own warnings (the latency cache, the model cache) print as one line each, without the
     source line Python adds: `treespark: warning: ...`."""
@@ -485,104 +335,80 @@ def _one_line_warnings() -> None:
     warnings.formatwarning = one_line
 
 
-def main(argv: list[str] | None = None, before_command: Callable[[], object] | None = None) -> int:
-    """Parse the command line and run the command; `before_command()` runs in between (the console entry
-    point, `hf_treespark_cli`, finishes `import hf_treespark` there)."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    # The options of bench, train and export come from their modules, which import torch: they are added only
-    # for the command being run (or shown with --help), so that `treespark --help` stays instant.
-    command = next((arg for arg in argv if not arg.startswith("-")), None)
+class Command(NamedTuple):
+    """One subcommand: its name, its line in `treespark --help`, the function that adds its options, the one that
+    runs it, and whether an empty option value is refused at parsing (`refuse_empty_values`)."""
+
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+    refuse_empty: bool = True
+
+
+def commands() -> tuple[Command, ...]:
+    """The subcommands, in `treespark --help`'s order. Built when a command line is parsed, so each function is the
+    one this module holds then (a test may replace one)."""
+    return (
+        Command("generate", "generate an answer with tree speculative decoding", cli_args.add_generate_arguments,
+                cmd_generate),
+        Command("bench", "acceptance length and speed of plain, prompt lookup, DSpark and TreeSpark",
+                cli_args.add_bench_arguments, cmd_bench),
+        Command("calibrate", "measure what a round costs here and a drafter's acceptance length per tree budget "
+                             "(for 'auto')", cli_args.add_calibrate_arguments, cmd_calibrate),
+        Command("draft-vocab", "restrict a drafter to a frequency-ranked draft vocabulary (cheaper rounds; no "
+                               "retraining)", cli_args.add_draft_vocab_arguments, cmd_draft_vocab),
+        Command("datastore", "index the target's outputs as a drafter's datastore (retrieved branches in every "
+                             "round's tree)", cli_args.add_datastore_arguments, cmd_datastore),
+        Command("demo", "the Gradio demo: watch rounds commit and inspect each drafted tree",
+                cli_args.add_demo_arguments, cmd_demo),
+        # train and train-depth1: their options and checks are the training modules'
+        Command("train", "train a drafter for a target (resumable; see --help)", cli_args.add_train_arguments,
+                cmd_train, refuse_empty=False),
+        Command("train-depth1", "grow a drafter by a depth-1 head and train the head alone (fast; resumable; see "
+                                "--help)", cli_args.add_train_depth1_arguments, cmd_train_depth1, refuse_empty=False),
+        Command("distil", "train a drafter's depth-1 head on positions distilled from any text, labelled by the "
+                          "target's own argmax (resumable; see --help)", cli_args.add_distil_arguments, cmd_distil),
+        Command("export", "write the drafter of a training checkpoint to a drafter directory",
+                cli_args.add_export_arguments, cmd_export),
+        Command("push", "upload a trained drafter and its model card to the Hugging Face Hub",
+                cli_args.add_push_arguments, cmd_push),
+    )
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """`argv` parsed by the parser `commands()` makes; bad values end in `parser.error` (one line, status 2)."""
+    # A subcommand's options are added only when it is the one run (or shown with --help): those of bench, train,
+    # train-depth1, distil and export come from modules that import torch, and `treespark --help` stays instant.
+    chosen = next((arg for arg in argv if not arg.startswith("-")), None)
     parser = argparse.ArgumentParser(prog="treespark", description="TreeSpark tree speculative decoding",
                                      formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True,
                                 parser_class=functools.partial(argparse.ArgumentParser,
                                                                formatter_class=DefaultsHelpFormatter))
-
-    gen = sub.add_parser("generate", help="generate an answer with tree speculative decoding")
-    gen.add_argument("--prompt", required=True, help="user message (the chat template is applied)")
-    gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--target", help="target model name or path (default: offline SmolLM2-135M-Instruct)")
-    gen.add_argument("--drafter", help="drafter name or path (default: the shipped drafter)")
-    gen.add_argument("--budget", type=int, help="tree budget N (non-root nodes verified per round)")
-    gen.add_argument("--topk", type=int, help="children per frontier parent")
-    gen.add_argument("--chain", action="store_true", help="chain mode (plain DSpark drafting)")
-    gen.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy")
-    gen.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                     help="auto: bf16 where the device computes it natively, else fp32")
-    gen.add_argument("--cpu-pack", choices=CPU_PACK_CHOICES, default="auto", help=CPU_PACK_HELP)
-    gen.add_argument("--compare", action="store_true", help="also run plain decoding: speedup and exactness check")
-    gen.set_defaults(func=cmd_generate)
-
-    bench = sub.add_parser("bench", help="acceptance length and speed of plain, prompt lookup, DSpark and TreeSpark")
-    if command == "bench":
-        from .bench import add_arguments as add_bench_arguments
-
-        add_bench_arguments(bench)
-    bench.set_defaults(func=cmd_bench)
-
-    cal = sub.add_parser("calibrate", help="measure what a round costs here and a drafter's acceptance length per "
-                                           "tree budget (for 'auto')")
-    add_calibrate_arguments(cal)
-    cal.set_defaults(func=cmd_calibrate)
-
-    voc = sub.add_parser("draft-vocab", help="restrict a drafter to a frequency-ranked draft vocabulary "
-                                              "(cheaper rounds; no retraining)")
-    voc.add_argument("--data", nargs="+", required=True,
-                     help="JSONL files of the target's outputs: token ids (response_ids, ...) or text (response, ...)")
-    voc.add_argument("--size", type=int, default=16384, help="tokens in the draft vocabulary")
-    voc.add_argument("--drafter", help="drafter directory (default: the shipped drafter)")
-    voc.add_argument("--target", help="the target's name or path, for its tokenizer (default: the offline default)")
-    voc.add_argument("--output", required=True, help="new directory for the restricted drafter")
-    voc.set_defaults(func=cmd_draft_vocab)
-
-    store = sub.add_parser("datastore", help="index the target's outputs as a drafter's datastore (retrieved "
-                                             "branches in every round's tree)")
-    add_datastore_arguments(store)
-    store.set_defaults(func=cmd_datastore)
-
-    demo = sub.add_parser("demo", help="the Gradio demo: watch rounds commit and inspect each drafted tree")
-    add_demo_arguments(demo)
-    demo.set_defaults(func=cmd_demo)
-
-    train = sub.add_parser("train", help="train a drafter for a target (resumable; see --help)")
-    if command == "train":
-        from .training.cli import add_arguments as add_train_arguments
-
-        add_train_arguments(train)
-    train.set_defaults(func=cmd_train)
-
-    depth1 = sub.add_parser("train-depth1", help="grow a drafter by a depth-1 head and train the head alone "
-                                                 "(fast; resumable; see --help)")
-    if command == "train-depth1":
-        from .training.depth1 import add_arguments as add_depth1_arguments
-
-        add_depth1_arguments(depth1)
-    depth1.set_defaults(func=cmd_train_depth1)
-
-    export = sub.add_parser("export", help="write the drafter of a training checkpoint to a drafter directory")
-    export.add_argument("checkpoint", help="a checkpoint of a training run, OUTPUT_DIR/checkpoints/step-N")
-    export.add_argument("--output", required=True, help="new directory for the drafter")
-    if command == "export":
-        from .training.export import EXPORT_DTYPES
-
-        export.add_argument("--dtype", choices=EXPORT_DTYPES, default="bfloat16",
-                            help="precision of the saved weights (the shipped drafter is bfloat16)")
-    export.set_defaults(func=cmd_export)
-
-    push = sub.add_parser("push", help="upload a trained drafter and its model card to the Hugging Face Hub")
-    add_push_arguments(push)
-    push.set_defaults(func=cmd_push)
-
+    table = {command.name: command for command in commands()}
+    for command in table.values():
+        command_parser = sub.add_parser(command.name, help=command.help)
+        if command.name == chosen:
+            command.add_arguments(command_parser)
+        command_parser.set_defaults(func=command.run)
     args = parser.parse_args(argv)
-    if args.command not in ("train", "train-depth1"):  # their options and checks are the training modules'
+    if table[args.command].refuse_empty:
         refuse_empty_values(sub.choices[args.command], args)
     if getattr(args, "max_new_tokens", 1) < 1:
         parser.error("--max-new-tokens must be at least 1")
     if getattr(args, "prompt", "x").strip() == "":
         parser.error("--prompt is empty")
-    if not is_utf8(getattr(args, "prompt", "")):
+    if not cli_args.is_utf8(getattr(args, "prompt", "")):
         parser.error("--prompt is not valid UTF-8 text (the shell passed bytes that are not): give it as UTF-8")
+    return args
+
+
+def main(argv: list[str] | None = None, before_command: Callable[[], object] | None = None) -> int:
+    """Parse the command line and run the command; `before_command()` runs in between (the console entry
+    point, `hf_treespark_cli`, finishes `import hf_treespark` there)."""
+    args = parse(sys.argv[1:] if argv is None else list(argv))
     _one_line_warnings()
     try:
         if before_command is not None:

@@ -300,6 +300,8 @@ def no_models(monkeypatch):
     (["datastore", "--data", "x.jsonl", "--output", ""], "--output is empty: give a value"),
     (["datastore", "--data", "", "--output", "out"], "--data is empty: give a value"),
     (["generate", "--prompt", "hi", "--drafter", ""], "--drafter is empty"),
+    (["distil", "--output-dir", ""], "--output-dir is empty: give a value"),
+    (["distil", "--output-dir", "run", "--drafter", ""], "--drafter is empty"),  # not the shipped drafter unasked
 ])
 def test_empty_or_unbounded_option_values_are_refused_at_parsing(argv, message, no_models, capsys):
     with pytest.raises(SystemExit) as done:
@@ -322,3 +324,41 @@ def test_python_m_bench_refuses_empty_lists_too(argv, message, no_models, capsys
     except SystemExit as done:
         code = done.code
     assert code == 2 and message in capsys.readouterr().err
+
+
+# ----- treespark distil: training/distill.py's options and run, wired like train-depth1 ---------------------------
+def test_distil_help_says_which_labels_it_trains_on(capsys):
+    from hf_treespark.training.distill import LABELS
+
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    assert "labelled by the target's own argmax" in " ".join(capsys.readouterr().out.split())
+    with pytest.raises(SystemExit) as done:
+        main(["distil", "--help"])
+    assert done.value.code == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    assert LABELS in shown and "--output-dir" in shown and "(default: 512)" in shown
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--max-length", "1"], "--max-length must be at least 2, got 1"),
+    (["--sources", "notes.pdf"], "--sources 'notes.pdf': give 'sharegpt', a .txt file or a .jsonl chat file "
+                                 "(messages or conversations)"),
+])
+def test_distil_refuses_a_bad_argument_before_anything_loads(argv, message, tmp_path, no_models, monkeypatch, capsys):
+    from hf_treespark.training import cli as training_cli
+
+    monkeypatch.setattr(training_cli, "load_target", lambda *a, **k: pytest.fail("models loaded"))
+    assert main(["distil", "--output-dir", str(tmp_path / "run"), *argv]) == 2
+    assert capsys.readouterr().err.strip() == f"treespark: error: {message}"
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_console_command_shows_distils_help_before_the_package_initialises():
+    """`treespark distil --help` through the console entry: its options come from training/distill.py, whose
+    module imports torch, but the package's `__init__` (the drafter's registration) is still not run to show them."""
+    proc = subprocess.run([sys.executable, "-c", _ENTRY, "distil", "--help"], capture_output=True, text=True,
+                          timeout=300, cwd=REPO)
+    assert proc.stdout.strip().splitlines()[-1].startswith("RESULT 0 ") and proc.stdout.strip().endswith("False")
+    assert "usage: treespark distil" in proc.stdout and "--max-disk-gb" in proc.stdout, proc.stderr
