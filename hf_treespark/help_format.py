@@ -65,10 +65,13 @@ def cpu_pack_option(value: str) -> bool | str:
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """`--help` shows each option's default, options without help text included (None and False left out)."""
+    """`--help` shows each option's default once, options without help text included (None and False left out;
+    a help text that already says `(default: ...)` is shown as written)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        if action.default is None or action.default is False or "%(default)" in (action.help or ""):
+        help_text = action.help or ""
+        if action.default is None or action.default is False or "%(default)" in help_text \
+                or "(default:" in help_text:
             return action.help or ""
         return super()._get_help_string(action)
 

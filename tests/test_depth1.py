@@ -138,3 +138,15 @@ def test_a_drafter_with_a_trained_head_round_trips_and_decodes_exactly(arch, tmp
     out = target.generate(batch, attention_mask=mask, assistant_model=loaded, do_sample=False, max_new_tokens=16,
                           pad_token_id=0)
     assert torch.equal(out, ref)
+
+
+def test_batches_of_fewer_positions_than_the_batch_size_take_them_all_and_none_is_refused(grown, tmp_path):
+    _, drafter = grown
+    trainer = Depth1Trainer(drafter, tmp_path, batch_size=256)
+    rows = []
+    for batch in trainer.batches(10, total_steps=3):  # the trainer counts the steps
+        rows.append(batch)
+        trainer.step += 1
+    assert len(rows) == 3 and all(sorted(r.tolist()) == list(range(10)) for r in rows)
+    with pytest.raises(ValueError, match="no positions to train on"):
+        next(iter(trainer.batches(0, total_steps=1)))

@@ -623,3 +623,19 @@ def test_draft_layers_above_an_init_from_drafter_grow_it_without_changing_its_dr
     assert train(tiny_files, tmp_path / "shrink", "--init-from", str(tmp_path / "three" / "final"),
                  "--draft-layers", "2", "--max-steps", "1") == 2
     assert "a drafter can grow, not shrink" in capsys.readouterr().err
+
+
+def test_a_rerun_says_in_words_that_it_resumed_and_from_which_step(tiny_files, tmp_path, capsys):
+    assert train(tiny_files, tmp_path, "--max-steps", "2", "--batch-size", "4") == 0
+    assert "resumed" not in capsys.readouterr().out
+    assert train(tiny_files, tmp_path, "--max-steps", "3", "--batch-size", "4") == 0
+    out = capsys.readouterr().out
+    assert f"[train] resumed from {tmp_path / 'checkpoints' / 'step-00000002'} at step 2 of 3" in out
+
+
+def test_help_shows_each_default_once(capsys):
+    with pytest.raises(SystemExit):
+        train_cli.main(["--help"], prog="train_drafter.py")
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: auto) (default: auto)" not in text
+    assert text.count("(default: auto)") == 1  # --mixed-precision

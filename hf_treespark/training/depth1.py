@@ -19,10 +19,13 @@ Memory: the shards are read into memory whole, about 7 KB per position (SmolLM2-
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import math
+import sys
 import time
+from array import array
 from collections.abc import Iterable
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,7 +39,8 @@ from tqdm.auto import tqdm
 from ..engine import target_features
 from .data import ReferenceSequence, collate_references
 
-SHARD_POSITIONS = 8192
+SHARD_POSITIONS = 8192  # positions per shard: a run killed during extraction extracts at most these again
+SAVE_EVERY = 500  # optimizer steps between checkpoints of `train-depth1`
 FIELDS = ("features", "hidden", "token", "label")
 
 
@@ -62,23 +66,60 @@ def block_signature(drafter) -> str:
     return digest.hexdigest()[:16]
 
 
-class PositionShards:
-    """Extracted positions in `directory`: `shard_NNNNN.safetensors` plus `progress.json` (references done)."""
+def data_fingerprint(references: list[ReferenceSequence], files: list[str], max_length: int) -> dict:
+    """What positions are extracted from: `fingerprint`, a hash over every reference's prompt length and token ids
+    in order (so other files, another order, another cut or --max-sequences differ), and, for messages, the
+    `files`, the number of `references` and `max_length`."""
+    digest = hashlib.sha256()
+    for ref in references:
+        digest.update(array("q", [ref.prompt_len, len(ref.input_ids), *ref.input_ids]).tobytes())
+    return {"fingerprint": digest.hexdigest()[:16], "files": [str(f) for f in files], "references": len(references),
+            "max_length": max_length}
 
-    def __init__(self, directory: str | Path, signature: str):
+
+def describe_data(data: dict) -> str:
+    """`data` (a `data_fingerprint`) in words."""
+    return (f"{', '.join(data.get('files', ['?']))}: {data.get('references', '?')} references at --max-length "
+            f"{data.get('max_length', '?')}, hash {data.get('fingerprint')}")
+
+
+def read_progress(path: Path) -> dict:
+    """`progress.json` of a positions directory; a damaged one is refused naming it and what to do."""
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(state, dict) or not all(isinstance(state.get(k), int) and state[k] >= 0
+                                                  for k in ("references_done", "shards", "positions")):
+            raise ValueError("not the record of an extraction")
+    except (UnicodeDecodeError, ValueError) as e:  # json.JSONDecodeError is a ValueError
+        raise ValueError(f"{path} is damaged ({e}): delete {path.parent} to extract its positions again") from None
+    return state
+
+
+class PositionShards:
+    """Extracted positions in `directory`: `shard_NNNNN.safetensors` plus `progress.json` (references done, and
+    given `data`, a `data_fingerprint` of the references they come from: positions of other data are refused)."""
+
+    def __init__(self, directory: str | Path, signature: str, data: dict | None = None):
         self.directory = Path(directory)
         self.signature = signature
+        self.data = data
         self.directory.mkdir(parents=True, exist_ok=True)
         self.progress_path = self.directory / "progress.json"
 
     def progress(self) -> dict:
         if not self.progress_path.is_file():
-            return {"signature": self.signature, "references_done": 0, "shards": 0, "positions": 0}
-        state = json.loads(self.progress_path.read_text())
+            fresh = {"signature": self.signature, "references_done": 0, "shards": 0, "positions": 0}
+            return fresh if self.data is None else {**fresh, "data": self.data}
+        state = read_progress(self.progress_path)
         if state.get("signature") != self.signature:
             raise ValueError(f"{self.directory} holds positions extracted for another drafter or target (signature "
                              f"{state.get('signature')}, this drafter's is {self.signature}): give another "
                              "directory or delete it")
+        held = state.get("data")  # None: extracted by an earlier version, which did not record it
+        if self.data is not None and held is not None and held.get("fingerprint") != self.data["fingerprint"]:
+            raise ValueError(f"{self.directory} holds positions extracted from other data ({describe_data(held)}), "
+                             f"not from {describe_data(self.data)}: give another output directory, or delete "
+                             f"{self.directory} to extract this data")
         return state
 
     def write(self, columns: dict[str, list[torch.Tensor]], state: dict, references_done: int) -> dict:
@@ -133,34 +174,67 @@ class PositionShards:
 
 
 @torch.no_grad()
+def reference_positions(target, drafter, ref: ReferenceSequence, chunk: int = 96) -> dict[str, torch.Tensor]:
+    """Every response position of `ref`, one tensor per field of `FIELDS` (the drafter's head off): `features`
+    `[P, n_layers * d]` (bf16, the target's at `a - 1`), `hidden` `[P, d]` (bf16, `h_1`), `token` and `label` `[P]`."""
+    batch = collate_references([ref], pad_id=0)
+    ids = batch["input_ids"][0]
+    feats, _ = target_features(target, drafter.config.target_layer_ids, batch["input_ids"], batch["attention_mask"])
+    anchors = torch.arange(max(ref.prompt_len, 1), len(ids) - 1)
+    columns = {k: [] for k in FIELDS}
+    for start in range(0, len(anchors), chunk):
+        a = anchors[start:start + chunk]
+        out = drafter(anchor_ids=ids[a][None], anchor_positions=a[None], target_features=feats, return_logits=False)
+        columns["features"].append(feats[0, a - 1].to(torch.bfloat16))
+        columns["hidden"].append(out.hidden_states.view(len(a), drafter.config.block_size, -1)[:, 0]
+                                 .to(torch.bfloat16))
+        columns["token"].append(ids[a])
+        columns["label"].append(ids[a + 1])
+    return {k: torch.cat(v) for k, v in columns.items()}
+
+
+@torch.no_grad()
 def extract(target, drafter, references: list[ReferenceSequence], shards: PositionShards, chunk: int = 96,
             shard_positions: int = SHARD_POSITIONS, progress: bool = True) -> dict:
-    """Write every response position of `references` (in order, resuming after those done) to `shards`."""
+    """Write every response position of `references` (in order, resuming after those done) to `shards`.
+
+    A shard holds whole references and `progress.json` names it only once it is written: a run killed anywhere
+    extracts again at most the references after the last shard, and never twice. On an interrupt
+    (`KeyboardInterrupt`) the references finished since then are written first."""
     state = shards.progress()
-    columns = {k: [] for k in FIELDS}
-    pending = 0
-    todo = range(state["references_done"], len(references))
-    with head_off(drafter):
-        for n in tqdm(todo, desc="extracting depth-1 positions", disable=not progress):
-            ref = references[n]
-            batch = collate_references([ref], pad_id=0)
-            ids = batch["input_ids"][0]
-            feats, _ = target_features(target, drafter.config.target_layer_ids, batch["input_ids"],
-                                       batch["attention_mask"])
-            anchors = torch.arange(max(ref.prompt_len, 1), len(ids) - 1)
-            for start in range(0, len(anchors), chunk):
-                a = anchors[start:start + chunk]
-                out = drafter(anchor_ids=ids[a][None], anchor_positions=a[None], target_features=feats,
-                              return_logits=False)
-                columns["features"].append(feats[0, a - 1].to(torch.bfloat16))
-                columns["hidden"].append(out.hidden_states.view(len(a), drafter.config.block_size, -1)[:, 0]
-                                         .to(torch.bfloat16))
-                columns["token"].append(ids[a])
-                columns["label"].append(ids[a + 1])
-                pending += len(a)
-            if pending >= shard_positions or n == len(references) - 1:
-                state = shards.write(columns, state, n + 1)
-                columns, pending = {k: [] for k in FIELDS}, 0
+    pending: list[tuple[int, dict[str, torch.Tensor]]] = []  # (index, positions) of references not yet written
+    count = 0
+    try:
+        with head_off(drafter):
+            for n in tqdm(range(state["references_done"], len(references)), desc="extracting depth-1 positions",
+                          disable=not progress):
+                pending.append((n, reference_positions(target, drafter, references[n], chunk)))
+                count += len(pending[-1][1]["label"])
+                if count >= shard_positions or n == len(references) - 1:
+                    state = _write_references(shards, pending, state)
+                    pending, count = [], 0
+    except KeyboardInterrupt:
+        state = shards.progress()  # what is on disk decides what is left to write
+        unwritten = [(n, p) for n, p in pending if n >= state["references_done"]]
+        if unwritten and unwritten[0][0] == state["references_done"]:
+            _write_references(shards, unwritten, state)
+        raise
+    return state
+
+
+def _write_references(shards: PositionShards, pending: list[tuple[int, dict]], state: dict) -> dict:
+    """One shard of the consecutive references `pending`; the progress after them."""
+    return shards.write({k: [p[k] for _, p in pending] for k in FIELDS}, state, pending[-1][0] + 1)
+
+
+def load_checkpoint(path: Path) -> dict:
+    """A `Depth1Trainer` checkpoint; one cut by a crash or otherwise unreadable is refused, not half-loaded."""
+    try:
+        state = torch.load(path, weights_only=True)
+    except Exception as e:
+        raise ValueError(f"{path} is damaged ({type(e).__name__}: {e}); delete it to start over") from None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise ValueError(f"{path} is damaged (not a depth-1 head checkpoint); delete it to start over")
     return state
 
 
@@ -168,13 +242,15 @@ class Depth1Trainer:
     """The head's optimisation on extracted positions (see the module docstring); resumable from `output_dir`."""
 
     def __init__(self, drafter, output_dir: str | Path, lr: float = 1e-3, batch_size: int = 256,
-                 warmup: int = 200, weight_decay: float = 0.0, seed: int = 0):
+                 warmup: int = 200, weight_decay: float = 0.0, seed: int = 0, data: dict | None = None):
+        """`data`: the `data_fingerprint` of the positions trained on, kept in the checkpoint; a checkpoint of
+        other data is refused on resume."""
         if drafter.depth1_head is None:
             raise ValueError("this drafter has no depth-1 head: grow it first (grow_depth1_head)")
         self.drafter = drafter
         self.out = Path(output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
-        self.lr, self.batch_size, self.warmup, self.seed = lr, batch_size, warmup, seed
+        self.lr, self.batch_size, self.warmup, self.seed, self.data = lr, batch_size, warmup, seed, data
         for name, p in drafter.named_parameters():
             p.requires_grad_(name.startswith("depth1_head."))
         self.params = [p for p in drafter.depth1_head.parameters()]
@@ -213,8 +289,10 @@ class Depth1Trainer:
 
     def batches(self, n: int, total_steps: int) -> Iterable[torch.Tensor]:
         """Row indices of each remaining step: epoch `e` is a permutation seeded by `(seed, e)`, so a resumed run
-        continues the same order."""
-        per_epoch = n // self.batch_size
+        continues the same order. Fewer than `batch_size` positions: every step takes all `n`."""
+        if n < 1:
+            raise ValueError("no positions to train on: extract some first")
+        per_epoch = max(1, n // self.batch_size)
         while self.step < total_steps:
             epoch, offset = divmod(self.step, per_epoch)
             perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 1000 + epoch))
@@ -223,6 +301,8 @@ class Depth1Trainer:
     def save(self) -> None:
         state = {"step": self.step, "head": self.drafter.depth1_head.state_dict(),
                  "optimizer": self.optimizer.state_dict()}
+        if self.data is not None:
+            state["data"] = self.data
         tmp = self.out / "checkpoint.pt.tmp"
         torch.save(state, tmp)
         tmp.replace(self.out / "checkpoint.pt")
@@ -231,12 +311,20 @@ class Depth1Trainer:
         path = self.out / "checkpoint.pt"
         if not path.is_file():
             return False
+        state = load_checkpoint(path)
+        held = state.get("data")  # None: saved by an earlier version, which did not record it
+        if self.data is not None and held is not None and held.get("fingerprint") != self.data["fingerprint"]:
+            raise ValueError(f"{path} holds a head trained on other data ({describe_data(held)}), not on "
+                             f"{describe_data(self.data)}: give another output directory, or delete it to train "
+                             "from the start")
         try:
-            state = torch.load(path, weights_only=True)
-        except Exception as e:  # a file cut by a crash: refused, not half-loaded
-            raise ValueError(f"{path} is damaged ({type(e).__name__}: {e}); delete it to start over") from None
-        self.drafter.depth1_head.load_state_dict(state["head"])
-        self.optimizer.load_state_dict(state["optimizer"])
+            self.drafter.depth1_head.load_state_dict(state["head"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (KeyError, RuntimeError, ValueError) as e:
+            why = " ".join(str(e).split())[:200]
+            raise ValueError(f"{path} holds another head (another --width or drafter?): {why}; give the options "
+                             "it was trained with, another output directory, or delete it to train from the "
+                             "start") from None
         self.step = state["step"]
         return True
 
@@ -260,22 +348,31 @@ class Depth1Trainer:
         if self.step == 0:
             record()
         bar = tqdm(total=total_steps, initial=self.step, desc="training the depth-1 head", disable=not progress)
-        for rows in self.batches(len(labels), total_steps):
-            self.drafter.train()
-            for group in self.optimizer.param_groups:
-                group["lr"] = self.rate(total_steps)
-            loss = F.cross_entropy(self.logits(data, rows), labels[rows], ignore_index=-100)
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            self.optimizer.step()
-            self.step += 1
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.3f}")
-            if self.step % save_every == 0 or self.step == total_steps:
+        stepping, first_step = False, self.step  # stepping: between the optimizer's update and its step count
+        try:
+            for rows in self.batches(len(labels), total_steps):
+                self.drafter.train()
+                for group in self.optimizer.param_groups:
+                    group["lr"] = self.rate(total_steps)
+                loss = F.cross_entropy(self.logits(data, rows), labels[rows], ignore_index=-100)
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                stepping = True
+                self.optimizer.step()
+                self.step += 1
+                stepping = False
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss.item():.3f}")
+                if self.step % save_every == 0 or self.step == total_steps:
+                    self.save()
+                if self.step % eval_every == 0 or self.step == total_steps:
+                    bar.write(json.dumps(record()))
+        except KeyboardInterrupt:  # keep the steps done (not a half-made one: the last checkpoint stands)
+            if not stepping and self.step > first_step:
                 self.save()
-            if self.step % eval_every == 0 or self.step == total_steps:
-                bar.write(json.dumps(record()))
-        bar.close()
+            raise
+        finally:
+            bar.close()
         self.drafter.eval()
         return curve
 
@@ -296,57 +393,161 @@ def grow_depth1_head(drafter, width: int):
     return grown
 
 
+def _at_least(minimum: int):
+    """argparse type: a whole number >= `minimum`."""
+    def whole_number(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum} (got {value})")
+        return value
+    return whole_number
+
+
+def _positive(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number (got {text!r})")
+    return value
+
+
 def add_arguments(p) -> None:
     p.add_argument("--drafter", help="drafter directory to grow and train (default: the shipped drafter)")
     p.add_argument("--target", default="default", help="'default' (offline SmolLM2-135M-Instruct) or a name/path")
     p.add_argument("--data", nargs="+", required=True, help="reference files (prompt_ids, response_ids; .jsonl[.gz])")
-    p.add_argument("--max-length", type=int, default=384, help="tokens per reference sequence (longer are cut)")
-    p.add_argument("--max-sequences", type=int, help="use at most this many reference sequences")
+    p.add_argument("--max-length", type=_at_least(2), default=384,
+                   help="tokens per reference sequence (longer are cut)")
+    p.add_argument("--max-sequences", type=_at_least(1), help="use at most this many reference sequences")
     p.add_argument("--dev-data", help="development references (default: held-out ShareGPT prompts 400-431 answered "
                                       "by the target into OUTPUT_DIR/dev_references.jsonl)")
-    p.add_argument("--width", type=int, default=2048, help="the head's MLP width (a fresh head)")
-    p.add_argument("--epochs", type=float, default=2.0, help="passes over the extracted positions")
-    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (warm-up, cosine to a tenth)")
-    p.add_argument("--batch-size", type=int, default=256, help="positions per optimizer step")
-    p.add_argument("--eval-every", type=int, default=500, help="steps between development evaluations")
+    p.add_argument("--width", type=_at_least(1), default=2048, help="the head's MLP width (a fresh head)")
+    p.add_argument("--epochs", type=_positive, default=2.0, help="passes over the extracted positions")
+    p.add_argument("--lr", type=_positive, default=1e-3, help="peak learning rate (warm-up, cosine to a tenth)")
+    p.add_argument("--batch-size", type=_at_least(1), default=256,
+                   help="positions per optimizer step (all of them when there are fewer)")
+    p.add_argument("--eval-every", type=_at_least(1), default=500, help="steps between development evaluations")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", required=True,
-                   help="positions, checkpoint, metrics.jsonl and the trained drafter (final/); rerun to resume")
+                   help="positions, checkpoint, metrics.jsonl and the trained drafter (final/); rerun the same "
+                        "command to resume (positions and checkpoint are kept for their --data only)")
+
+
+def check_arguments(args) -> None:
+    """Refuse, before anything loads, empty values, missing files and an output directory that is a file."""
+    for name in ("target", "drafter", "dev_data", "output_dir"):
+        if isinstance(getattr(args, name), str) and not getattr(args, name).strip():
+            raise ValueError(f"--{name.replace('_', '-')} is empty: give a value")
+    for flag, path in [*(("--data", p) for p in args.data), ("--dev-data", args.dev_data)]:
+        if path is None or Path(path).is_file():
+            continue
+        if not str(path).strip():
+            raise ValueError(f"{flag} is empty: give a file")
+        what = "a directory, not a file" if Path(path).is_dir() else "no such file"
+        raise FileNotFoundError(f"{flag} {path}: {what}")
+    if Path(args.output_dir).exists() and not Path(args.output_dir).is_dir():
+        raise NotADirectoryError(f"--output-dir {args.output_dir} is a file: give a directory")
+
+
+def refuse_other_data(out: Path, data: dict) -> None:
+    """Before anything loads: refuse an `out` whose positions or head come from other data than `data` (a
+    `data_fingerprint`), naming both and what to do; warn that those of an earlier version cannot be checked."""
+    held = {}
+    if (out / "positions" / "progress.json").is_file():
+        held[out / "positions"] = read_progress(out / "positions" / "progress.json").get("data")
+    if (out / "checkpoint.pt").is_file():
+        held[out / "checkpoint.pt"] = load_checkpoint(out / "checkpoint.pt").get("data")
+    other = [d for d in held.values() if d is not None and d.get("fingerprint") != data["fingerprint"]]
+    if other:
+        raise ValueError(f"{out} holds a run on other data ({describe_data(other[0])}), not on this --data "
+                         f"({describe_data(data)}): give another --output-dir, or delete "
+                         f"{' and '.join(map(str, held))} to extract and train on this data there")
+    unchecked = [str(path) for path, d in held.items() if d is None]
+    if unchecked:
+        print(f"[train-depth1] warning: {' and '.join(unchecked)} come from an earlier version that did not record "
+              "its data: resuming, but whether it is this --data cannot be checked", file=sys.stderr)
 
 
 def run(args) -> int:
-    """`treespark train-depth1`: grow a drafter by a depth-1 head, extract positions, train the head, save."""
+    """`treespark train-depth1`: grow a drafter by a depth-1 head, extract positions, train the head, save. An
+    interrupt (Ctrl-C) keeps what is done and says how to resume."""
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        print("treespark train-depth1: interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+
+
+def _run(args) -> int:
     from ..assets import DEFAULT_DRAFTER_DIR
     from ..modeling import TreeSparkDrafter
-    from ..tree import TreePolicy
-    from .cli import load_target
+    from .cli import load_target, load_target_config
     from .data import load_references
-    from .evaluate import build_dev_set, reference_acceptance
+    from .evaluate import build_dev_set
 
+    check_arguments(args)
     torch.manual_seed(args.seed)
     out = Path(args.output_dir)
-    target, tokenizer = load_target(args.target, with_tokenizer=True)
-    source = args.drafter or DEFAULT_DRAFTER_DIR
-    base = TreeSparkDrafter.from_pretrained(source, dtype=torch.float32)
+    vocab_size = load_target_config(args.target).vocab_size
+    references = load_references(args.data, max_length=args.max_length, limit=args.max_sequences,
+                                 vocab_size=vocab_size)
+    if not references:
+        raise ValueError(f"{', '.join(map(str, args.data))} holds no usable reference sequences (prompt_ids and "
+                         f"response_ids with at least 2 response tokens within --max-length {args.max_length}): give "
+                         "the target's responses")
+    dev_refs = load_references(args.dev_data, max_length=args.max_length, vocab_size=vocab_size) if args.dev_data \
+        else None
+    if dev_refs == []:
+        raise ValueError(f"--dev-data {args.dev_data} holds no usable reference sequences")
+    data = data_fingerprint(references, args.data, args.max_length)
+    refuse_other_data(out, data)
+    target, tokenizer = load_target(args.target, with_tokenizer=dev_refs is None)
+    base = TreeSparkDrafter.from_pretrained(args.drafter or DEFAULT_DRAFTER_DIR, dtype=torch.float32)
     stored_dtype = base.config.dtype if isinstance(getattr(base.config, "dtype", None), str) else "bfloat16"
     drafter = grow_depth1_head(base, args.width).bind_target(target).eval()
-    references = load_references(args.data, max_length=args.max_length, limit=args.max_sequences,
-                                 vocab_size=target.config.vocab_size)
-    dev_refs = (load_references(args.dev_data, max_length=args.max_length) if args.dev_data
-                else build_dev_set(target, tokenizer, out / "dev_references.jsonl"))
+    if dev_refs is None:
+        dev_refs = build_dev_set(target, tokenizer, out / "dev_references.jsonl")
     signature = block_signature(drafter)
-    train_shards, dev_shards = PositionShards(out / "positions", signature), PositionShards(out / "dev_positions",
-                                                                                            signature)
-    extract(target, drafter, dev_refs, dev_shards)
-    extract(target, drafter, references, train_shards)
-    data, dev = train_shards.load(), {"dev": dev_shards.load()}
-    trainer = Depth1Trainer(drafter, out, lr=args.lr, batch_size=args.batch_size, seed=args.seed)
+    dev_data = data_fingerprint(dev_refs, [args.dev_data or out / "dev_references.jsonl"], args.max_length)
+    dev_shards = PositionShards(out / "dev_positions", signature, dev_data)
+    train_shards = PositionShards(out / "positions", signature, data)
+    extract(target, drafter, dev_refs, dev_shards, shard_positions=SHARD_POSITIONS)
+    done = train_shards.progress()["references_done"]
+    if 0 < done < len(references):
+        print(f"[train-depth1] resuming extraction at reference {done + 1} of {len(references)} (the positions of "
+              f"the first {done} are in {train_shards.directory})")
+    extract(target, drafter, references, train_shards, shard_positions=SHARD_POSITIONS)
+    trainer = _train(args, drafter, train_shards.load(), {"dev": dev_shards.load()}, len(references), data)
+    _compare_and_save(target, drafter, dev_refs, trainer, out, stored_dtype)
+    return 0
+
+
+def _train(args, drafter, positions: dict, dev: dict, references: int, data: dict) -> Depth1Trainer:
+    """Train the head on `positions` as the options say (resuming `OUTPUT_DIR/checkpoint.pt`)."""
+    n = len(positions["label"])
+    batch_size = args.batch_size
+    if n < batch_size:
+        print(f"[train-depth1] {n:,} positions, fewer than --batch-size {batch_size}: each step takes all {n:,}")
+        batch_size = n
+    trainer = Depth1Trainer(drafter, args.output_dir, lr=args.lr, batch_size=batch_size, seed=args.seed, data=data)
+    total = max(1, int(args.epochs * n // batch_size))
     if trainer.resume():
-        print(f"[train-depth1] resumed at step {trainer.step}")
-    total = int(args.epochs * len(data["label"]) // args.batch_size)
-    print(f"[train-depth1] {len(data['label']):,} positions from {len(references)} references; {total} steps of "
-          f"{args.batch_size}")
-    trainer.train(data, total, dev, eval_every=args.eval_every)
+        print(f"[train-depth1] resumed at step {trainer.step} of {total}")
+    print(f"[train-depth1] {n:,} positions from {references} references; {total} steps of {batch_size}")
+    trainer.train(positions, total, dev, eval_every=args.eval_every, save_every=SAVE_EVERY)
+    return trainer
+
+
+def _compare_and_save(target, drafter, dev_refs, trainer: Depth1Trainer, out: Path, stored_dtype: str) -> None:
+    """Development acceptance without and with the trained head (to metrics.jsonl), then `OUTPUT_DIR/final`."""
+    from ..tree import TreePolicy
+    from .evaluate import reference_acceptance
+
     policy = TreePolicy.from_config(drafter.config, budget=8)
     if trainer.step:
         with head_off(drafter):
@@ -361,4 +562,3 @@ def run(args) -> int:
     final = out / "final"
     drafter.save_pretrained(final, dtype=getattr(torch, stored_dtype))
     print(f"[train-depth1] saved {final}")
-    return 0

@@ -9,25 +9,23 @@ denominators are summed over ranks before dividing.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
 import os
-import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from ..engine import target_features
 from ..precision import auto_dtype
 from ..tree import TreePolicy
+from .checkpoints import TrainerCheckpoints, _jsonable, publish_state
 from .data import check_token_ids, collate_references
+from .feature_cache import FeatureCache, FeatureCacheMismatch, cache_signature, fill_feature_cache
 from .losses import normalise
 from .objective import LOSS_NAMES, LossConfig, TrainingObjective
 
@@ -128,162 +126,6 @@ def sample_anchors(lengths: torch.Tensor, prompt_lens: torch.Tensor, indices: to
     return anchors, valid
 
 
-def _sequence_digest(input_ids: list[int]) -> str:
-    """A short fingerprint of a sequence's token ids (the cache's key is only the sequence id)."""
-    return hashlib.sha1(json.dumps(input_ids).encode()).hexdigest()[:16]
-
-
-def cache_signature(target, layer_ids: list[int]) -> dict[str, str]:
-    """What every cached file of one run shares: the target's shape, the feature layers and the stored dtype.
-
-    Written into each file's safetensors metadata next to the sequence's own length and token fingerprint, so a
-    cache directory shared by runs with other settings is caught instead of read as if it fitted.
-    """
-    cfg = target.config
-    shape = f"{cfg.model_type} layers={cfg.num_hidden_layers} hidden={cfg.hidden_size} vocab={cfg.vocab_size}"
-    return {"target": shape, "target_layer_ids": ",".join(str(i) for i in layer_ids), "dtype": "bfloat16"}
-
-
-# What a differing metadata field means for the user, and which setting to look at.
-_CACHE_FIELD_HINTS = {
-    "num_tokens": "sequence length in tokens (another --max-length or other --data)",
-    "token_ids": "token ids (other --data under the same sequence ids, or another --max-length)",
-    "target": "target model",
-    "target_layer_ids": "target layers (the drafter's target_layer_ids)",
-    "dtype": "stored dtype",
-}
-
-
-class FeatureCacheMismatch(ValueError):
-    """A cached file was written for other settings than this run's (sequence length, data, target, layers)."""
-
-
-class FeatureCache:
-    """Target features per reference sequence on disk (`<id>.safetensors`, bf16), written once, read each epoch.
-
-    Each file records in its metadata what it holds (`num_tokens`, a `token_ids` fingerprint, and the run-wide
-    `signature`: target shape, target layers, dtype). `status` compares that with what a run needs; a file
-    written for other settings raises `FeatureCacheMismatch` naming the directory and the setting that differs.
-    """
-
-    def __init__(self, directory: str | Path, signature: dict[str, str] | None = None):
-        self.directory = Path(directory)
-        if self.directory.exists() and not self.directory.is_dir():
-            raise NotADirectoryError(f"feature cache {self.directory} is a file, not a directory: give --feature-cache "
-                                     "a directory")
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self.signature = dict(signature or {})
-
-    def path(self, seq_id: str) -> Path:
-        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in seq_id)
-        return self.directory / f"{safe}.safetensors"
-
-    def has(self, seq_id: str) -> bool:
-        return self.path(seq_id).is_file()
-
-    def metadata(self, ref) -> dict[str, str]:
-        """The metadata a file for reference `ref` must carry under this cache's signature."""
-        return {**self.signature, "num_tokens": str(len(ref.input_ids)), "token_ids": _sequence_digest(ref.input_ids)}
-
-    def status(self, ref) -> str:
-        """`"ok"`, `"missing"` or `"damaged"` (unreadable: recompute it) for reference `ref`'s file.
-
-        Raises `FeatureCacheMismatch` when the file is readable but was written for other settings. Files from
-        before metadata was recorded are checked by their row count only.
-        """
-        path = self.path(ref.id)
-        if not path.is_file():
-            return "missing"
-        try:
-            with safe_open(str(path), "pt") as f:
-                stored = f.metadata() or {}
-                rows = f.get_slice("features").get_shape()[0]
-        except Exception:  # safetensors raises its own error type for a cut-off or garbled file
-            return "damaged"
-        if not stored:
-            stored = {"num_tokens": str(rows)}
-        wanted = self.metadata(ref)
-        for key in wanted:  # a fixed order: the run-wide settings first, then the sequence's length
-            value = stored.get(key, wanted[key])
-            if value != wanted[key]:
-                raise FeatureCacheMismatch(
-                    f"feature cache {self.directory} was filled with other settings: {path.name} holds "
-                    f"{_CACHE_FIELD_HINTS.get(key, key)} {value!r}, this run needs {wanted[key]!r}. Give this run "
-                    "its own --feature-cache directory (one per --max-length, data and target), or delete "
-                    f"{self.directory} to recompute it.")
-        return "ok"
-
-    def put(self, ref, features: torch.Tensor, reference_hidden: torch.Tensor) -> None:
-        """Store `features` `[T, n_layers * d]` and `reference_hidden` `[T, d]` of `ref` (atomically: tmp + rename)."""
-        tmp = self.path(ref.id).with_suffix(".tmp")
-        save_file({"features": features.to(torch.bfloat16).contiguous(),
-                   "reference_hidden": reference_hidden.to(torch.bfloat16).contiguous()}, str(tmp),
-                  metadata=self.metadata(ref))
-        tmp.replace(self.path(ref.id))
-
-    def get(self, seq_id: str) -> tuple[torch.Tensor, torch.Tensor]:
-        path = self.path(seq_id)
-        try:
-            data = load_file(str(path))
-        except Exception as err:
-            raise RuntimeError(f"feature cache file {path} cannot be read ({err}): delete it and start the run "
-                               "again; it is recomputed and training resumes from the last checkpoint") from err
-        return data["features"].float(), data["reference_hidden"].float()
-
-
-def fill_feature_cache(cache: FeatureCache, target, layer_ids, references, batch_size: int = 8,
-                       progress: bool = True) -> None:
-    """Compute and store target features for every reference not yet cached (resumable).
-
-    Unreadable files (a crash or a full disk mid-write) are recomputed with a warning naming them; files written
-    for other settings raise `FeatureCacheMismatch` before any training step.
-    """
-    todo = []
-    for ref in references:
-        status = cache.status(ref)
-        if status == "damaged":
-            logger.warning("feature cache file %s is damaged (unreadable); recomputing it", cache.path(ref.id))
-        if status != "ok":
-            todo.append(ref)
-    device = next(target.parameters()).device
-    for start in tqdm(range(0, len(todo), batch_size), desc="caching target features", disable=not progress):
-        chunk = todo[start : start + batch_size]
-        batch = collate_references(chunk, pad_id=0)
-        feats, hidden = target_features(target, layer_ids, batch["input_ids"].to(device),
-                                        batch["attention_mask"].to(device))
-        for row, ref in enumerate(chunk):
-            n = len(ref.input_ids)
-            cache.put(ref, feats[row, :n].cpu(), hidden[row, :n].cpu())
-
-
-def publish_state(accelerator, final: Path, write_run_state) -> None:
-    """Every rank's `accelerator.save_state` into `.tmp-<final name>`, then `write_run_state(tmp)` and one rename
-    to `final` on the main rank.
-
-    Each rank writes its own files (the main rank the weights, optimizer and scheduler; every rank its RNG state,
-    `random_states_<rank>.pkl`). The rename waits until all ranks are done and their files are there: a slower
-    rank would otherwise write into a `.tmp` directory recreated after the rename, and the published checkpoint
-    would lack its state.
-    """
-    tmp = final.with_name(f".tmp-{final.name}")
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    accelerator.wait_for_everyone()  # every rank's files are written before the main rank publishes them
-    if accelerator.is_main_process:
-        missing = [name for name in (f"random_states_{rank}.pkl" for rank in range(accelerator.num_processes))
-                   if not (tmp / name).is_file()]
-        if missing:
-            raise RuntimeError(f"checkpoint {tmp} lacks {', '.join(missing)} after every process saved its state: "
-                               "--output-dir must be on a filesystem that all processes share")
-        write_run_state(tmp)
-        if final.exists():  # the same step written by an earlier run of this output dir
-            shutil.rmtree(final)
-        tmp.rename(final)
-    accelerator.wait_for_everyone()
-
-
 def cosine_schedule(optimizer, warmup_steps: int, total_steps: int, min_ratio: float):
     def factor(step: int) -> float:
         if step < warmup_steps:
@@ -349,7 +191,7 @@ def _cpu_processes_under_torchrun() -> bool:
     return not (device_api.is_available() if device_api is not None else torch.cuda.is_available())
 
 
-class Trainer:
+class Trainer(TrainerCheckpoints):
     """Trains `drafter` against the frozen `target` on reference sequences."""
 
     def __init__(self, config: TrainConfig, target, drafter, references, accelerator=None):
@@ -389,106 +231,6 @@ class Trainer:
         self.anchors_seen = 0  # training anchors in those steps, over all processes
         self.pad_id = 0
         self.dev_references = None  # `set_dev_set`: references of the learning curve
-
-    # ----- checkpoints ---------------------------------------------------------------------------
-    @property
-    def checkpoint_dir(self) -> Path:
-        return self.output_dir / "checkpoints"
-
-    def save_checkpoint(self) -> Path:
-        """Model, optimiser, scheduler, RNG states and data position, written atomically.
-
-        Everything goes into `.tmp-step-N` first, `trainer_state.json` last; one rename publishes it. A crash at
-        any point leaves the previous `step-*` checkpoints untouched, and `latest_checkpoint` ignores the rest.
-        """
-        final = self.checkpoint_dir / f"step-{self.step:08d}"
-
-        def write_run_state(tmp: Path) -> None:
-            state = {"step": self.step, "anchors_seen": self.anchors_seen, "config": _jsonable(self.config),
-                     "drafter_config": self._drafter_fields()}
-            # the whole drafter config, for `treespark export` (training.export)
-            self.unwrapped_drafter().config.to_json_file(str(tmp / "drafter_config.json"))
-            (tmp / "trainer_state.json").write_text(json.dumps(state))
-
-        publish_state(self.accelerator, final, write_run_state)
-        if self.accelerator.is_main_process:
-            for old in sorted(self.checkpoint_dir.glob("step-*"))[: -self.config.keep_checkpoints]:
-                shutil.rmtree(old, ignore_errors=True)
-        self.accelerator.wait_for_everyone()
-        return final
-
-    def latest_checkpoint(self) -> Path | None:
-        done = sorted(p for p in self.checkpoint_dir.glob("step-*") if (p / "trainer_state.json").is_file())
-        return done[-1] if done else None
-
-    def _drafter_fields(self) -> dict:
-        """The drafter config fields a checkpoint's weights depend on (architecture and tree policy)."""
-        from transformers import PretrainedConfig
-
-        generic = set(PretrainedConfig().to_dict())
-        fields = {k: v for k, v in self.drafter.config.to_dict().items()
-                  if k not in generic and k not in _RESUME_IGNORED_FIELDS}
-        return json.loads(json.dumps(fields, default=str))
-
-    def _resume_conflicts(self, state: dict) -> list[str]:
-        """How the run saved in `state` (a `trainer_state.json`) differs from this one; empty if it may resume."""
-        conflicts = []
-        saved_preset = state.get("config", {}).get("preset")
-        if saved_preset is not None and saved_preset != self.config.preset:
-            conflicts.append(f"preset {saved_preset!r} there, {self.config.preset!r} here")
-        saved_config = state.get("config", {})
-        for key in _RESUME_POSITION_FIELDS:  # a step number means another place in the data under other values
-            if key in saved_config and saved_config[key] != getattr(self.config, key):
-                conflicts.append(f"{key} {saved_config[key]!r} there, {getattr(self.config, key)!r} here")
-        saved, now = state.get("drafter_config") or {}, self._drafter_fields()
-        for key in sorted(set(saved) & set(now)):
-            if saved[key] != now[key]:
-                conflicts.append(f"drafter {key} {saved[key]!r} there, {now[key]!r} here")
-        return conflicts
-
-    def resume(self) -> bool:
-        """Load the latest complete checkpoint, if any.
-
-        A checkpoint of another configuration (preset, drafter architecture) is refused before loading, naming
-        what differs; one that cannot be loaded is refused with its path.
-        """
-        path = self.latest_checkpoint()
-        if path is None:
-            return False
-        try:
-            state = _checked_trainer_state(json.loads((path / "trainer_state.json").read_bytes().decode("utf-8")))
-        except (OSError, ValueError) as err:
-            raise RuntimeError(f"checkpoint {path} cannot be read (trainer_state.json: {err}). If it is damaged (an "
-                               f"interrupted write, a full disk), move it out of {self.checkpoint_dir} and start "
-                               "again: training resumes from the checkpoint before it.") from err
-        conflicts = self._resume_conflicts(state)
-        if conflicts:
-            saved_preset = state.get("config", {}).get("preset")
-            own = f" (preset {saved_preset!r})" if saved_preset else ""
-            raise ValueError(f"{self.output_dir} holds a training run with other settings (checkpoint {path.name}: "
-                             f"{'; '.join(conflicts)}). That checkpoint is intact. To train these settings, use "
-                             "another output directory (--output-dir); to resume that run, start it again with its "
-                             f"own settings{own}.")
-        try:
-            self.accelerator.load_state(str(path))
-        except Exception as err:
-            raise RuntimeError(f"checkpoint {path} cannot be loaded ({err}). If it is damaged (an interrupted write, "
-                               f"a full disk), move it out of {self.checkpoint_dir} and start again: training "
-                               "resumes from the checkpoint before it.") from err
-        self.step = int(state["step"])
-        self.anchors_seen = int(state.get("anchors_seen", 0))
-        saved_precision = state.get("config", {}).get("mixed_precision")
-        if saved_precision is not None and saved_precision != self.config.mixed_precision \
-                and self.accelerator.is_main_process:
-            print(f"[resume] mixed precision {self.config.mixed_precision!r} from step {self.step} on "
-                  f"(the checkpoint's run used {saved_precision!r})")
-        saved_lr = state.get("config", {}).get("lr")
-        if saved_lr is not None and saved_lr != self.config.lr:
-            self._set_peak_lr(self.config.lr)
-            if self.accelerator.is_main_process:
-                print(f"[resume] peak learning rate {self.config.lr:g} from step {self.step} on (the checkpoint's run "
-                      f"used {saved_lr:g}); the schedule's shape is unchanged")
-        return True
 
     def _set_peak_lr(self, lr: float) -> None:
         """Rescale the schedule to the peak `lr` (a resumed scheduler would keep the checkpoint's)."""
@@ -674,32 +416,6 @@ class Trainer:
         return self.accelerator.unwrap_model(self.objective).drafter
 
 
-# Training settings that map a step to a place in the data (order, batches, micro-steps): a resumed run must keep them.
-_RESUME_POSITION_FIELDS = ("batch_size", "grad_accum", "updates_per_batch", "seed")
-# Drafter config fields that may change between a checkpoint and its resumption.
-_RESUME_IGNORED_FIELDS = {"acceptance_profile", "target_name_or_path", "transformers_version", "initializer_range"}
-
-
-def _checked_trainer_state(state) -> dict:
-    """`state`, a checkpoint's `trainer_state.json`, if it has what `Trainer.resume` reads: an object with a step
-    number (and an anchor count, a `config` and a `drafter_config` object where present); else `ValueError`."""
-    if not isinstance(state, dict):
-        raise ValueError(f"a JSON {type(state).__name__}, not an object")
-    for key in ("step", "anchors_seen"):
-        value = state.get(key, 0)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{key!r} is {value!r}, not a count")
-    if "step" not in state:
-        raise ValueError("no 'step'")
-    for key in ("config", "drafter_config"):
-        if key in state and not isinstance(state[key], dict):
-            raise ValueError(f"{key!r} is a JSON {type(state[key]).__name__}, not an object")
-    return state
-
-
-def _jsonable(config) -> dict:
-    return json.loads(json.dumps(asdict(config), default=str))
-
-
 __all__ = ["LOSS_NAMES", "PRESETS", "FeatureCache", "FeatureCacheMismatch", "TrainConfig", "Trainer",
-           "build_accelerator", "cache_signature", "sample_anchors", "target_features"]
+           "build_accelerator", "cache_signature", "fill_feature_cache", "publish_state", "sample_anchors",
+           "target_features"]

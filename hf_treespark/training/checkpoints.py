@@ -1,0 +1,174 @@
+"""Checkpoints of `treespark train`: written atomically on every rank, resumed exactly, refused when foreign.
+
+`publish_state` writes every rank's accelerate state into `.tmp-step-N`, then the run state, then renames once, so
+a crash anywhere leaves the previous checkpoints untouched. `TrainerCheckpoints` (a mixin of `Trainer`) saves,
+finds the latest complete checkpoint and resumes from it, refusing one of another configuration (preset, data
+position fields, drafter architecture) before loading, naming what differs.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+
+def publish_state(accelerator, final: Path, write_run_state) -> None:
+    """Every rank's `accelerator.save_state` into `.tmp-<final name>`, then `write_run_state(tmp)` and one rename
+    to `final` on the main rank.
+
+    Each rank writes its own files (the main rank the weights, optimizer and scheduler; every rank its RNG state,
+    `random_states_<rank>.pkl`). The rename waits until all ranks are done and their files are there: a slower
+    rank would otherwise write into a `.tmp` directory recreated after the rename, and the published checkpoint
+    would lack its state.
+    """
+    tmp = final.with_name(f".tmp-{final.name}")
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()  # every rank's files are written before the main rank publishes them
+    if accelerator.is_main_process:
+        missing = [name for name in (f"random_states_{rank}.pkl" for rank in range(accelerator.num_processes))
+                   if not (tmp / name).is_file()]
+        if missing:
+            raise RuntimeError(f"checkpoint {tmp} lacks {', '.join(missing)} after every process saved its state: "
+                               "--output-dir must be on a filesystem that all processes share")
+        write_run_state(tmp)
+        if final.exists():  # the same step written by an earlier run of this output dir
+            shutil.rmtree(final)
+        tmp.rename(final)
+    accelerator.wait_for_everyone()
+
+
+class TrainerCheckpoints:
+    """Saving and resuming a `Trainer` (its `accelerator`, `config`, `step`, `anchors_seen`, `output_dir`)."""
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.output_dir / "checkpoints"
+
+    def save_checkpoint(self) -> Path:
+        """Model, optimiser, scheduler, RNG states and data position, written atomically.
+
+        Everything goes into `.tmp-step-N` first, `trainer_state.json` last; one rename publishes it. A crash at
+        any point leaves the previous `step-*` checkpoints untouched, and `latest_checkpoint` ignores the rest.
+        """
+        final = self.checkpoint_dir / f"step-{self.step:08d}"
+
+        def write_run_state(tmp: Path) -> None:
+            state = {"step": self.step, "anchors_seen": self.anchors_seen, "config": _jsonable(self.config),
+                     "drafter_config": self._drafter_fields()}
+            # the whole drafter config, for `treespark export` (training.export)
+            self.unwrapped_drafter().config.to_json_file(str(tmp / "drafter_config.json"))
+            (tmp / "trainer_state.json").write_text(json.dumps(state))
+
+        publish_state(self.accelerator, final, write_run_state)
+        if self.accelerator.is_main_process:
+            for old in sorted(self.checkpoint_dir.glob("step-*"))[: -self.config.keep_checkpoints]:
+                shutil.rmtree(old, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+        return final
+
+    def latest_checkpoint(self) -> Path | None:
+        done = sorted(p for p in self.checkpoint_dir.glob("step-*") if (p / "trainer_state.json").is_file())
+        return done[-1] if done else None
+
+    def _drafter_fields(self) -> dict:
+        """The drafter config fields a checkpoint's weights depend on (architecture and tree policy)."""
+        from transformers import PretrainedConfig
+
+        generic = set(PretrainedConfig().to_dict())
+        fields = {k: v for k, v in self.drafter.config.to_dict().items()
+                  if k not in generic and k not in _RESUME_IGNORED_FIELDS}
+        return json.loads(json.dumps(fields, default=str))
+
+    def _resume_conflicts(self, state: dict) -> list[str]:
+        """How the run saved in `state` (a `trainer_state.json`) differs from this one; empty if it may resume."""
+        conflicts = []
+        saved_preset = state.get("config", {}).get("preset")
+        if saved_preset is not None and saved_preset != self.config.preset:
+            conflicts.append(f"preset {saved_preset!r} there, {self.config.preset!r} here")
+        saved_config = state.get("config", {})
+        for key in _RESUME_POSITION_FIELDS:  # a step number means another place in the data under other values
+            if key in saved_config and saved_config[key] != getattr(self.config, key):
+                conflicts.append(f"{key} {saved_config[key]!r} there, {getattr(self.config, key)!r} here")
+        saved, now = state.get("drafter_config") or {}, self._drafter_fields()
+        for key in sorted(set(saved) & set(now)):
+            if saved[key] != now[key]:
+                conflicts.append(f"drafter {key} {saved[key]!r} there, {now[key]!r} here")
+        return conflicts
+
+    def resume(self) -> bool:
+        """Load the latest complete checkpoint, if any.
+
+        A checkpoint of another configuration (preset, drafter architecture) is refused before loading, naming
+        what differs; one that cannot be loaded is refused with its path.
+        """
+        path = self.latest_checkpoint()
+        if path is None:
+            return False
+        try:
+            state = _checked_trainer_state(json.loads((path / "trainer_state.json").read_bytes().decode("utf-8")))
+        except (OSError, ValueError) as err:
+            raise RuntimeError(f"checkpoint {path} cannot be read (trainer_state.json: {err}). If it is damaged (an "
+                               f"interrupted write, a full disk), move it out of {self.checkpoint_dir} and start "
+                               "again: training resumes from the checkpoint before it.") from err
+        conflicts = self._resume_conflicts(state)
+        if conflicts:
+            saved_preset = state.get("config", {}).get("preset")
+            own = f" (preset {saved_preset!r})" if saved_preset else ""
+            raise ValueError(f"{self.output_dir} holds a training run with other settings (checkpoint {path.name}: "
+                             f"{'; '.join(conflicts)}). That checkpoint is intact. To train these settings, use "
+                             "another output directory (--output-dir); to resume that run, start it again with its "
+                             f"own settings{own}.")
+        try:
+            self.accelerator.load_state(str(path))
+        except Exception as err:
+            raise RuntimeError(f"checkpoint {path} cannot be loaded ({err}). If it is damaged (an interrupted write, "
+                               f"a full disk), move it out of {self.checkpoint_dir} and start again: training "
+                               "resumes from the checkpoint before it.") from err
+        self.step = int(state["step"])
+        self.anchors_seen = int(state.get("anchors_seen", 0))
+        if self.accelerator.is_main_process:
+            print(f"[train] resumed from {path} at step {self.step} of {self.total_steps}")
+        saved_precision = state.get("config", {}).get("mixed_precision")
+        if saved_precision is not None and saved_precision != self.config.mixed_precision \
+                and self.accelerator.is_main_process:
+            print(f"[resume] mixed precision {self.config.mixed_precision!r} from step {self.step} on "
+                  f"(the checkpoint's run used {saved_precision!r})")
+        saved_lr = state.get("config", {}).get("lr")
+        if saved_lr is not None and saved_lr != self.config.lr:
+            self._set_peak_lr(self.config.lr)
+            if self.accelerator.is_main_process:
+                print(f"[resume] peak learning rate {self.config.lr:g} from step {self.step} on (the checkpoint's run "
+                      f"used {saved_lr:g}); the schedule's shape is unchanged")
+        return True
+
+
+# Training settings that map a step to a place in the data (order, batches, micro-steps): a resumed run must keep them.
+_RESUME_POSITION_FIELDS = ("batch_size", "grad_accum", "updates_per_batch", "seed")
+# Drafter config fields that may change between a checkpoint and its resumption.
+_RESUME_IGNORED_FIELDS = {"acceptance_profile", "target_name_or_path", "transformers_version", "initializer_range"}
+
+
+def _checked_trainer_state(state) -> dict:
+    """`state`, a checkpoint's `trainer_state.json`, if it has what `Trainer.resume` reads: an object with a step
+    number (and an anchor count, a `config` and a `drafter_config` object where present); else `ValueError`."""
+    if not isinstance(state, dict):
+        raise ValueError(f"a JSON {type(state).__name__}, not an object")
+    for key in ("step", "anchors_seen"):
+        value = state.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{key!r} is {value!r}, not a count")
+    if "step" not in state:
+        raise ValueError("no 'step'")
+    for key in ("config", "drafter_config"):
+        if key in state and not isinstance(state[key], dict):
+            raise ValueError(f"{key!r} is a JSON {type(state[key]).__name__}, not an object")
+    return state
+
+
+def _jsonable(config) -> dict:
+    return json.loads(json.dumps(asdict(config), default=str))

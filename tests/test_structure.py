@@ -1,0 +1,146 @@
+"""The package keeps one room per idea: sizes a reader can hold, and imports that only run downwards.
+
+Read from the source with `ast` (nothing is imported): every function under 120 lines, every class under 250,
+every module under 600; each module sits in a layer of `LAYERS` and imports only from its own layer or lower
+ones. A new module must be given a layer here, which is the point: where it sits is a decision, not an accident.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "hf_treespark"
+MAX_FUNCTION, MAX_CLASS, MAX_MODULE = 120, 250, 600
+
+# Lowest first. A module may import from its own layer and the layers before it, never from a later one.
+LAYERS = [
+    # leaves: knobs, kernels, files, the tree policy
+    {"version", "configuration", "cpu_gemm", "datastore", "default_target", "exactness", "help_format", "precision",
+     "storage", "tree", "records"},
+    # the drafter, its card, and the branches it drafts with
+    {"verify", "lookup", "modeling", "modeling_heads", "modeling_block", "modeling_binding", "modeling_io", "card",
+     "draft_vocab"},
+    # one session
+    {"engine"},
+    # batches, loading, the Hub
+    {"batch", "hub", "assets", "loading"},
+    # a round's cost, then the budget chosen from it
+    {"latency"},
+    {"budget"},
+    # what generate() promises: what a call accepts and returns, the batched loop; then the loop itself
+    {"generation_checks", "generation_output", "generation_batch"},
+    {"generation"},
+    {"integration", "hub_generate", "demo_run"},
+    # the bench's parts: what it compares and on which prompts; the report; the batch bench and the round profile
+    {"bench_methods", "bench_suites"},
+    {"bench_report"},
+    {"bench_batch", "bench_profile"},
+    # the package's entry (registers the drafter, routes generate), the bench and the demo page
+    {"__init__", "bench", "demo"},
+    # training reads everything above; nothing above reads it
+    {"training"},
+    # the command line: one function per subcommand, dispatching to all of the above
+    {"cli", "cli_args", "cli_calibrate"},
+]
+
+
+def _modules() -> list[Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def _name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE).with_suffix("")
+    return ".".join(rel.parts)
+
+
+def _layer(module: str) -> int:
+    """The layer of `module` ('training.data' -> the layer of 'training')."""
+    key = "training" if module.split(".")[0] == "training" else module.split(".")[0]
+    for i, names in enumerate(LAYERS):
+        if key in names:
+            return i
+    raise AssertionError(f"hf_treespark/{module.replace('.', '/')}.py has no layer in tests/test_structure.py's "
+                         "LAYERS: add it where it belongs")
+
+
+def _imports(path: Path) -> set[str]:
+    """The package modules that `path` imports, relative or absolute, at any depth of the file."""
+    parts = _name(path).split(".")
+    package = parts if path.name == "__init__.py" else parts[:-1]
+    if parts == ["__init__"]:
+        package = []
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)] if node.level > 1 else list(package)
+                stem = base + (node.module.split(".") if node.module else [])
+            elif node.module and node.module.split(".")[0] == "hf_treespark":
+                stem = node.module.split(".")[1:]
+            else:
+                continue
+            for alias in node.names:  # `from . import assets` names a module; `from .x import y` names x
+                candidate = stem + [alias.name]
+                is_module = (PACKAGE.joinpath(*candidate).with_suffix(".py").is_file()
+                             or PACKAGE.joinpath(*candidate, "__init__.py").is_file())
+                found.add(".".join(candidate if is_module else stem) or "__init__")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "hf_treespark":
+                    found.add(".".join(alias.name.split(".")[1:]) or "__init__")
+    return found
+
+
+def test_no_function_class_or_module_is_too_long_to_read():
+    too_long = []
+    for path in _modules():
+        rel = path.relative_to(PACKAGE.parent)
+        lines = path.read_text().count("\n")
+        if lines > MAX_MODULE:
+            too_long.append(f"{rel}: module of {lines} lines (at most {MAX_MODULE})")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                size = node.end_lineno - node.lineno + 1
+                limit = MAX_CLASS if isinstance(node, ast.ClassDef) else MAX_FUNCTION
+                if size > limit:
+                    too_long.append(f"{rel}:{node.lineno}: {node.name} is {size} lines (at most {limit})")
+    assert not too_long, "split these by idea:\n" + "\n".join(too_long)
+
+
+def test_imports_only_run_downwards():
+    upward = []
+    for path in _modules():
+        module = _name(path)
+        mine = _layer(module)
+        for imported in sorted(_imports(path)):
+            theirs = _layer(imported)
+            if theirs > mine:
+                upward.append(f"hf_treespark/{module.replace('.', '/')}.py (layer {mine}) imports {imported} "
+                              f"(layer {theirs})")
+    assert not upward, "a lower layer imports a higher one:\n" + "\n".join(upward)
+
+
+def test_the_structure_check_sees_an_upward_import(tmp_path, monkeypatch):
+    """The check itself can fail: a leaf module that imports the training package is caught."""
+    fake = tmp_path / "hf_treespark"
+    (fake / "training").mkdir(parents=True)
+    (fake / "training" / "__init__.py").write_text("")
+    (fake / "training" / "data.py").write_text("X = 1\n")
+    (fake / "tree.py").write_text("from .training.data import X\n")
+    (fake / "cli.py").write_text("def main():\n" + "    pass\n" * (MAX_FUNCTION + 1))
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
+    assert _imports(fake / "tree.py") == {"training.data"}
+    try:
+        test_imports_only_run_downwards()
+    except AssertionError as e:
+        assert "tree.py (layer 0) imports training.data" in str(e)
+    else:
+        raise AssertionError("an upward import was not caught")
+    try:
+        test_no_function_class_or_module_is_too_long_to_read()
+    except AssertionError as e:
+        assert f"main is {MAX_FUNCTION + 2} lines" in str(e)
+    else:
+        raise AssertionError("a function too long was not caught")
