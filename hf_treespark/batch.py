@@ -27,7 +27,7 @@ ones), and a compaction copies the cache once per halving. The drafter's context
 (`DrafterContextCache.valid`) is kept the same way. A row that finishes is removed from both caches (`keep_rows`):
 finished rows cost nothing, so the batch shrinks as rows end.
 
-`generation.py` drives the session (stopping, padding finished rows as plain `generate` does, records) and, with
+`generation_batch.py` drives the session (stopping, padding finished rows as plain `generate` does, records) and, with
 `tree_budget="auto"`, chooses the budget for the number of unfinished rows (`budget.BatchBudget`). Where no tree
 pays any more (greedy, no logits processors), it hands the rows to transformers' own loop: the cache, gathered
 right (`plain_inputs`), is then an ordinary left-padded cache with logical positions.
@@ -270,7 +270,7 @@ class BatchedSession:
             self.context.select(*right_aligned(self.context.valid))
 
     def plain_inputs(self, texts: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The rows as a left-padded batch for plain decoding from this cache (`generation._finish_plain`): every
+        """The rows as a left-padded batch for plain decoding from this cache (`generation_batch._finish_plain`): every
         row's cache entries gathered to the right end (after which the cache is an ordinary left-padded cache of
         `W` entries), and `(ids, attention_mask, position_ids)`, each `[B, W + 1]`: each row's text (`texts`,
         unpadded, its last token not yet in the cache) right-aligned, padding on the left; positions logical, as
