@@ -166,7 +166,10 @@ def test_a_damaged_progress_file_is_named_before_the_target_loads(files, tmp_pat
 
 # Signals: a run in a subprocess, with shards of 20 positions and a checkpoint every 5 steps (module constants
 # set before `main`), killed or interrupted during extraction and during training, then run again.
-RUNNER = ("import sys; from hf_treespark.training import depth1; depth1.SHARD_POSITIONS = 20; depth1.SAVE_EVERY = 5;"
+# SIGINT is restored to Python's own handler: a shell that starts a job in the background (`cmd &`, as a CI runner
+# may) leaves SIGINT ignored in its children, and an ignored Ctrl-C is not what this test is about.
+RUNNER = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler);"
+          " from hf_treespark.training import depth1; depth1.SHARD_POSITIONS = 20; depth1.SAVE_EVERY = 5;"
           " from hf_treespark.cli import main; sys.exit(main(sys.argv[1:]))")
 
 
