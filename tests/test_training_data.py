@@ -31,7 +31,7 @@ from hf_treespark.training.data import (
     sharegpt_later_turn_prompts,
 )
 
-SHARED_REGEN = Path(__file__).resolve().parents[2] / "shared" / "data" / "sharegpt_smollm2_regen.jsonl"
+REPO_REGEN = Path(__file__).resolve().parents[1] / "training_data" / "sharegpt_turns_smollm2_regen.jsonl.gz"
 
 
 def write_jsonl(path: Path, records: list) -> Path:
@@ -135,13 +135,6 @@ def test_sharegpt_prompts_split_at_position_12000_like_the_shared_data():
     # The same selection as the assets' plain-text helper, for both splits.
     assert [p.text for p in train] == assets.sharegpt_prompts("train")
     assert [p.text for p in heldout] == assets.sharegpt_prompts("heldout", limit=5)
-    if SHARED_REGEN.is_file():  # ...and as the shared regenerated data (which also caps prompt tokens)
-        by_position = {pos: p for p, pos in zip(train, train_positions, strict=True)}
-        with open(SHARED_REGEN) as f:
-            for line, _ in zip(f, range(20), strict=False):
-                record = json.loads(line)
-                prompt = by_position[record["position"]]
-                assert prompt.id == f"{record['id']}@{record['position']}" and prompt.text == record["prompt"]
 
 
 # ----- mixtures ----------------------------------------------------------------------------------------------
@@ -386,10 +379,8 @@ def test_load_references_names_file_and_line_of_a_malformed_line(tmp_path, bad_l
         load_references([path])
 
 
-def test_load_references_reads_the_shared_regenerated_data():
-    if not SHARED_REGEN.is_file():
-        pytest.skip("shared/data is not beside this checkout")
-    refs = load_references([SHARED_REGEN], max_length=256, limit=3)
+def test_load_references_reads_the_regenerated_data_the_repository_ships():
+    refs = load_references([REPO_REGEN], max_length=256, limit=3)
     assert len(refs) == 3 and all(len(r.input_ids) <= 256 and len(r.input_ids) - r.prompt_len >= 2 for r in refs)
     assert refs[0].input_ids[: refs[0].prompt_len][-4:] == [1, 520, 9531, 198]  # "<|im_start|>assistant\n"
 
