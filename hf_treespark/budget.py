@@ -66,14 +66,14 @@ FALLBACK_GATE = {"cpu": 0.35, "accelerator": 0.1}  # the drafter gate's threshol
 # 0.91x plain where 1.05x was predicted).
 BATCH_TREE_MARGIN = 1.1
 # ... and what the batch's own rows accept corrects the profile as they decode (`BatchBudget.observe`): the profile
-# counts as this many row-rounds of evidence against the rows' own (measured at 8 rows, session 18: MT-Bench rows
-# accepted 1.53 tokens per round against the profile's 1.90, and the tree "auto" kept ran at 0.83x plain).
+# counts as this many row-rounds of evidence against the rows' own (measured at 8 rows, 2026-12-02, AVX2 machine:
+# MT-Bench rows accepted 1.53 tokens per round against the profile's 1.90, and the tree "auto" kept ran at 0.83x plain).
 BATCH_PRIOR_ROWS = 16
 # What a round (drafter pass, tree, verify forward) costs in plain decoding steps, by budget, measured with the
 # shipped drafter on this project's two kinds of 2-core CPU: "auto"'s cost model until this machine's own
 # latency is measured and trusted (`default_round_cost`). float32: AMD EPYC with AVX2 only, `treespark
-# calibrate --latency-only --force`, session 13; bfloat16: AMD EPYC with avx512_bf16, `treespark bench
-# --profile`, session 12 (README, "What a round costs").
+# calibrate --latency-only --force`, 2026-12-01, AVX2 machine; bfloat16: AMD EPYC with avx512_bf16, `treespark bench
+# --profile`, 2026-12-01 (docs/budget.md, "What a round costs").
 DEFAULT_CPU_ROUND_COST = {
     "float32": {2: 1.34, 4: 1.59, 8: 1.76, 16: 2.04, 32: 2.54, 64: 3.68},
     "bfloat16": {4: 1.25, 8: 1.36, 16: 1.58},
@@ -81,8 +81,8 @@ DEFAULT_CPU_ROUND_COST = {
 
 # A round's verify forward and drafter pass for a batch of `B` rows, in plain steps of `B` rows (`BatchBudget`):
 # the shipped drafter on the AVX2-only AMD EPYC, float32, grouped-query verify attention, 256 cached tokens,
-# `latency.measure_round_latency(batch=B)`, session 14 (plain steps of 87 / 89 / 84 / 120 / 163 ms at B = 1 / 2 /
-# 4 / 8 / 16: up to 4 rows a plain step costs what one row's does).
+# `latency.measure_round_latency(batch=B)`, 2026-12-01 (plain steps of 87 / 89 / 84 / 120 / 163 ms at
+# B = 1 / 2 / 4 / 8 / 16: up to 4 rows a plain step costs what one row's does).
 DEFAULT_CPU_BATCH_ROUND_COST = {
     "float32": {
         1: {"verify": {2: 1.07, 4: 1.21, 8: 1.32, 16: 1.56, 32: 1.98, 64: 2.94},
