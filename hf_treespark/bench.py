@@ -1,6 +1,7 @@
 """Acceptance-length and throughput benchmark: `treespark bench` / `python -m hf_treespark.bench`.
 
-For each suite (MT-Bench first turns, HumanEval, held-out ShareGPT) and each method (plain greedy
+For each suite (by default MT-Bench first turns, HumanEval, held-out ShareGPT; also `copy`, `multiturn` and
+`math`, see `bench_suites`) and each method (plain greedy
 `generate`, transformers' prompt-lookup decoding, a DSpark drafter in chain mode, a DSpark-trained
 drafter in tree mode, the TreeSpark drafter in chain and tree mode), greedy, batch 1:
 
@@ -25,7 +26,7 @@ import argparse
 import platform
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 
@@ -54,8 +55,18 @@ from .bench_report import (
     save_report,
     write_report,
 )
-from .bench_suites import SUITE_LABELS, SUITES, select_prompts, suite_inputs
+from .bench_suites import (
+    ALL_SUITES,
+    SUITE_LABELS,
+    SUITES,
+    TARGET_SUITES,
+    select_prompts,
+    suite_inputs,
+    suite_max_prompt_tokens,
+    suite_prompts,
+)
 from .cpu_gemm import model_is_packed
+from .engine import PhaseTimer
 from .help_format import (
     CPU_PACK_CHOICES,
     CPU_PACK_HELP,
@@ -69,7 +80,8 @@ from .precision import resolve_dtype
 
 __all__ = [  # what `from hf_treespark.bench import ...` offers (cli.py, scripts, tests), wherever it is defined
     "BenchmarkError", "DEFAULT_METHODS", "LOOKUP_TOKENS", "METHODS", "Method", "MethodResult", "PROMPT_LOOKUP_TOKENS",
-    "ROLES", "TREE_METHODS", "SUITES", "SUITE_LABELS", "select_prompts", "suite_inputs", "PAIRS", "PLOT_COLOURS",
+    "ROLES", "TREE_METHODS", "SUITES", "ALL_SUITES", "SUITE_LABELS", "select_prompts", "suite_inputs", "suite_prompts",
+    "PAIRS", "PLOT_COLOURS",
     "SHARE_COLUMNS", "check_output_dir", "markdown_table", "method_colours", "paired_differences", "plot_report",
     "save_report", "write_report", "batch_inputs", "batch_table", "run_batch_benchmark", "same_width",
     "PROFILE_BUDGETS", "PROFILE_PHASES", "profile_rounds", "profile_table", "batch_sizes_option", "ForwardCounter",
@@ -106,10 +118,45 @@ def _generate(target, inputs: dict, method: Method, drafter, max_new_tokens: int
     return out.sequences, out.rounds
 
 
+def _grown_datastores(drafters: dict, prompts) -> dict:
+    """For a suite whose prompts continue conversations (`multiturn`), per drafter role that carries a datastore:
+    the store as a process that grows it with its own outputs holds it when the later turns come, that is a copy
+    that also indexes the target's earlier answers in those conversations (`SuitePrompt.earlier_outputs`, as
+    `generate` adds an output), whatever the drafter's `datastore_grow_tokens`. The copy shares the drafter's index
+    and grows no further during the suite, so every method and prompt sees the same store; the drafter's own store
+    is left as it is. Empty for a suite without earlier outputs."""
+    from .datastore import Datastore
+
+    earlier = [ids for prompt in prompts for ids in prompt.earlier_outputs]
+    grown = {}
+    for role, drafter in drafters.items():
+        store = getattr(drafter, "datastore", None)
+        if not earlier or store is None:
+            continue
+        copy = Datastore(store.index, store.vocab_size,
+                         grow_tokens=sum(len(ids) for ids in (*store.grown, *earlier)))
+        for ids in (*store.grown, *earlier):
+            copy.add(ids)
+        copy.grow_tokens = 0  # frozen: `generate`'s own `add` keeps nothing more
+        grown[role] = copy
+    return grown
+
+
+def _with_datastore(method: Method, grown: dict) -> Method:
+    """`method` reading its drafter's grown datastore (`_grown_datastores`) where it reads the drafter's own."""
+    if method.kwargs.get("tree_datastore") is True and method.drafter in grown:
+        return replace(method, kwargs={**method.kwargs, "tree_datastore": grown[method.drafter]})
+    return method
+
+
 def run_benchmark(target, tokenizer, drafters: dict, suites=SUITES, methods=None, num_prompts: int = 10,
-                  max_new_tokens: int = 128, budget: int | str = "auto", max_prompt_tokens: int = 512,
+                  max_new_tokens: int = 128, budget: int | str = "auto", max_prompt_tokens: int | None = None,
                   progress: bool = True) -> dict:
     """Run every method on every suite; returns the report (see `write_report`).
+
+    `max_prompt_tokens` None: each suite's own limit (`bench_suites.SUITE_MAX_PROMPT_TOKENS`, else 512). On a
+    suite whose prompts continue the target's own conversations (`multiturn`), the datastore methods read their
+    drafter's datastore grown with the target's earlier answers (`_grown_datastores`).
 
     drafters: `{"dspark": drafter, "dspark_tree": drafter, "treespark": drafter, "baseline": drafter}` (any
     of them); methods whose drafter is missing are skipped and listed under `skipped`. `methods` None:
@@ -145,22 +192,28 @@ def run_benchmark(target, tokenizer, drafters: dict, suites=SUITES, methods=None
 
     results, violations = {}, []
     for suite in suites:
-        prompts = suite_inputs(tokenizer, suite, num_prompts, max_prompt_tokens)
+        prompts = suite_prompts(tokenizer, suite, num_prompts, max_prompt_tokens, target=target, progress=progress)
+        grown = _grown_datastores(drafters, prompts)
+        suite_methods = [_with_datastore(m, grown) for m in runnable]
         rows = {m.name: MethodResult(suite, m.name, m.label, rounds_reaching_depth=[0] * depth) for m in runnable}
-        for index, inputs in enumerate(tqdm(prompts, desc=f"bench {SUITE_LABELS[suite]}", disable=not progress)):
+        for index, prompt in enumerate(tqdm(prompts, desc=f"bench {SUITE_LABELS[suite]}", disable=not progress)):
+            inputs = prompt.inputs
             prompt_len = inputs["input_ids"].shape[1]
             reference = None
-            for method in runnable:
+            for method in suite_methods:
                 drafter = drafters.get(method.drafter)
+                timer = PhaseTimer() if drafter is not None else None  # each source's share of the time
+                timed = method if timer is None else replace(method, kwargs={**method.kwargs, "tree_timer": timer})
                 counter = ForwardCounter(target)
                 start = time.perf_counter()
                 try:
-                    sequences, rounds = _generate(target, inputs, method, drafter, max_new_tokens, fixed_budget)
+                    sequences, rounds = _generate(target, inputs, timed, drafter, max_new_tokens, fixed_budget)
                 finally:
                     seconds = time.perf_counter() - start
                     counter.close()
                 row = rows[method.name]
-                row.add(sequences.shape[1] - prompt_len, seconds, counter.count, rounds)
+                row.add(sequences.shape[1] - prompt_len, seconds, counter.count, rounds,
+                        None if timer is None else dict(timer.seconds))
                 if method.name == "plain":
                     reference = sequences
                     row.exact += 1
@@ -182,6 +235,7 @@ def run_benchmark(target, tokenizer, drafters: dict, suites=SUITES, methods=None
             "cpu_pack": model_is_packed(target),
             "target": getattr(target.config, "_name_or_path", "") or target.config.model_type,
             "num_prompts": num_prompts,
+            "max_prompt_tokens": {s: max_prompt_tokens or suite_max_prompt_tokens(s) for s in suites},
             "max_new_tokens": max_new_tokens,
             "tree_budget": fixed_budget if fixed_budget is not None else "drafter default",
             "requested_budget": budget,
@@ -204,7 +258,10 @@ def run_benchmark(target, tokenizer, drafters: dict, suites=SUITES, methods=None
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `treespark bench` and `python -m hf_treespark.bench`."""
-    parser.add_argument("--suites", default=",".join(SUITES), help=f"comma-separated, from {', '.join(SUITES)}")
+    parser.add_argument("--suites", default=",".join(SUITES),
+                        help=f"comma-separated, from {', '.join(ALL_SUITES)} (copy: long texts to summarise, rewrite "
+                             "or correct; multiturn: MT-Bench second turns after the target's own first answers; "
+                             "math: CHAMP problems)")
     parser.add_argument("--methods", help=f"comma-separated, from {', '.join(METHODS)} (default: "
                                           f"{','.join(DEFAULT_METHODS)}, and the baseline's with a baseline drafter)")
     parser.add_argument("--num-prompts", type=int, default=10, help="prompts per suite")
@@ -242,13 +299,17 @@ def run_from_args(args: argparse.Namespace) -> int:
     default = DEFAULT_METHODS + (("baseline_chain", "baseline_datastore") if baseline else ())
     methods = [m.strip() for m in (args.methods if args.methods is not None else ",".join(default)).split(",")
                if m.strip()]
-    for name, values, known in (("suite", suites, SUITES), ("method", methods, METHODS)):
+    for name, values, known in (("suite", suites, ALL_SUITES), ("method", methods, METHODS)):
         if not values:  # `--suites ,`: never a way to ask for the default
             raise ValueError(f"--{name}s {getattr(args, name + 's')!r}: no {name} named; choose from "
                              f"{', '.join(known)} (comma-separated)")
         for value in values:
             if value not in known:
                 raise ValueError(f"unknown {name} {value!r}; choose from {', '.join(known)}")
+    needs_target = [s for s in suites if s in TARGET_SUITES]
+    if needs_target and (args.batch_size or args.profile):
+        raise ValueError(f"--suites {','.join(needs_target)}: its prompts hold the target's own earlier answers, which "
+                         f"{'--batch-size' if args.batch_size else '--profile'} does not make; run it without")
     if args.budget != "auto" and not (args.budget.isdigit() and int(args.budget) > 0):
         raise ValueError(f"--budget {args.budget!r}: expected a positive integer or 'auto'")
     budget = args.budget if args.budget == "auto" else int(args.budget)

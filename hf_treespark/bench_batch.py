@@ -19,7 +19,7 @@ import torch
 
 from .bench_methods import BenchmarkError
 from .bench_report import cell
-from .bench_suites import SUITE_LABELS, select_prompts
+from .bench_suites import SUITE_LABELS, select_prompts, suite_max_prompt_tokens
 from .cpu_gemm import model_is_packed
 
 
@@ -47,13 +47,14 @@ def same_width(first: torch.Tensor, second: torch.Tensor, pad: int | None) -> tu
 
 def run_batch_benchmark(target, tokenizer, drafter, suites=("mtbench", "humaneval"), batch_sizes=(1, 2, 4, 8, 16),
                         num_prompts: int = 16, max_new_tokens: int = 128, budget: int | str = "auto",
-                        max_prompt_tokens: int = 512, progress: bool = True) -> dict:
+                        max_prompt_tokens: int | None = None, progress: bool = True) -> dict:
     """Tokens per second of all rows, TreeSpark (the drafter's defaults) against plain batched `generate`, greedy,
     for each suite and batch size `B`: the suite's first `B x (num_prompts // B)` prompts (at least one batch) in
     left-padded batches of `B`, the two methods interleaved batch by batch (which runs first alternates, so a drift
     of the machine's speed falls on both); every TreeSpark batch is checked
-    against plain (strict in float32, the near-tie rule in half precision). Raises `BenchmarkError` (with the
-    report) after an inexact batch."""
+    against plain (strict in float32, the near-tie rule in half precision). `max_prompt_tokens`: the longest prompt
+    (None: each suite's own, `bench_suites.suite_max_prompt_tokens`). Raises `BenchmarkError` (with the report) after
+    an inexact batch."""
     from tqdm.auto import tqdm
 
     from . import assets
@@ -63,8 +64,9 @@ def run_batch_benchmark(target, tokenizer, drafter, suites=("mtbench", "humaneva
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     rows, failures = [], []
     for suite in suites:
+        limit = max_prompt_tokens if max_prompt_tokens is not None else suite_max_prompt_tokens(suite)
         candidates = [p for p in select_prompts(suite, 4 * num_prompts)
-                      if assets.chat_inputs(tokenizer, p)["input_ids"].shape[1] <= max_prompt_tokens][:num_prompts]
+                      if assets.chat_inputs(tokenizer, p)["input_ids"].shape[1] <= limit][:num_prompts]
         for size in batch_sizes:
             count = max(1, len(candidates) // size) * size
             prompts = [candidates[i % len(candidates)] for i in range(count)]

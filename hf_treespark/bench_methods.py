@@ -2,7 +2,10 @@
 
 A method is a name, a label for the tables and the `generate` kwargs that make it (plain greedy, transformers'
 prompt lookup, a DSpark drafter in chain mode, a DSpark-trained drafter in tree mode, the TreeSpark drafter in chain
-and tree mode, with lookup and the datastore, and a baseline TreeSpark drafter beside it). They live apart from the
+and tree mode, with lookup and the datastore, and a baseline TreeSpark drafter beside it). The methods that take a
+source away from the defaults measure what is left without the per-call guard (`tree_guard=False`), so a hand-off
+to plain decoding never hides what they compare; the defaults (`treespark_datastore`, `baseline_datastore`) run as a
+user's call runs, guard on. They live apart from the
 run so that the report (tables, one colour per method in the plots) can name them without importing the run.
 """
 
@@ -30,27 +33,34 @@ METHODS = {
     for m in (
         Method("plain", "plain greedy", None),
         Method("prompt_lookup", "prompt lookup", None, {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}),
-        Method("dspark", "DSpark (chain)", "dspark", {"tree_chain": True, "tree_lookup": 0, "tree_datastore": False}),
-        Method("dspark_tree", "DSpark + Tree", "dspark_tree", {"tree_lookup": 0, "tree_datastore": False}),
+        Method("dspark", "DSpark (chain)", "dspark",
+               {"tree_chain": True, "tree_lookup": 0, "tree_datastore": False, "tree_guard": False}),
+        Method("dspark_tree", "DSpark + Tree", "dspark_tree",
+               {"tree_lookup": 0, "tree_datastore": False, "tree_guard": False}),
         Method("treespark_chain", "TreeSpark drafter, chain", "treespark",
-               {"tree_chain": True, "tree_lookup": 0, "tree_datastore": False}),
-        Method("treespark", "TreeSpark", "treespark", {"tree_lookup": 0, "tree_datastore": False}),
+               {"tree_chain": True, "tree_lookup": 0, "tree_datastore": False, "tree_guard": False}),
+        Method("treespark", "TreeSpark", "treespark",
+               {"tree_lookup": 0, "tree_datastore": False, "tree_guard": False}),
         Method("treespark_lookup", "TreeSpark + lookup", "treespark",
-               {"tree_lookup": LOOKUP_TOKENS, "tree_datastore": False}),
+               {"tree_lookup": LOOKUP_TOKENS, "tree_datastore": False, "tree_guard": False}),
         Method("treespark_datastore", "TreeSpark + lookup + datastore", "treespark",
                {"tree_lookup": LOOKUP_TOKENS, "tree_datastore": True}),
+        # the defaults without the per-call guard: what the guard costs or saves (`--methods`, not run by default)
+        Method("treespark_unguarded", "TreeSpark + lookup + datastore, no guard", "treespark",
+               {"tree_lookup": LOOKUP_TOKENS, "tree_datastore": True, "tree_guard": False}),
         # another TreeSpark drafter (`--drafter baseline=PATH`, e.g. the one a new drafter replaces), side by side
         Method("baseline_chain", "baseline drafter, chain", "baseline",
-               {"tree_chain": True, "tree_lookup": 0, "tree_datastore": False}),
+               {"tree_chain": True, "tree_lookup": 0, "tree_datastore": False, "tree_guard": False}),
         Method("baseline_datastore", "baseline drafter + lookup + datastore", "baseline",
                {"tree_lookup": LOOKUP_TOKENS, "tree_datastore": True}),
     )
 }
 ROLES = ("treespark", "dspark", "dspark_tree", "baseline")
 # run by default (the baseline's methods join them when a baseline drafter is given)
-DEFAULT_METHODS = tuple(m for m in METHODS if METHODS[m].drafter != "baseline")
+DEFAULT_METHODS = tuple(m for m in METHODS if METHODS[m].drafter != "baseline" and m != "treespark_unguarded")
 # these share one tree budget
-TREE_METHODS = ("dspark_tree", "treespark", "treespark_lookup", "treespark_datastore", "baseline_datastore")
+TREE_METHODS = ("dspark_tree", "treespark", "treespark_lookup", "treespark_datastore", "treespark_unguarded",
+                "baseline_datastore")
 
 
 class BenchmarkError(RuntimeError):
@@ -81,10 +91,14 @@ class MethodResult:
     acceptance_by_depth: list[float] | None = None
     prompt_acceptance: list[float] = field(default_factory=list)  # each prompt's own acceptance length
     acceptance_sd: float | None = None  # standard deviation of `prompt_acceptance` (the prompt-to-prompt spread)
+    phase_seconds: dict[str, float] = field(default_factory=dict)  # a drafter method's round phases (`PhaseTimer`)
 
-    def add(self, new_tokens: int, seconds: float, forwards: int, rounds) -> None:
+    def add(self, new_tokens: int, seconds: float, forwards: int, rounds, phases: dict | None = None) -> None:
         """One prompt's generate call: `new_tokens` generated in `seconds` with `forwards` target forward calls (the
-        prefill's included); `rounds` the drafter's rounds (None: a method without one)."""
+        prefill's included); `rounds` the drafter's rounds (None: a method without one); `phases` the seconds of
+        each round phase (`engine.PhaseTimer.seconds`), if timed."""
+        for phase, spent in (phases or {}).items():
+            self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + spent
         self.prompts += 1
         self.new_tokens += new_tokens
         self.seconds += seconds

@@ -58,7 +58,8 @@ def profile_rounds(target, drafter, prompts: list[dict], budgets=PROFILE_BUDGETS
             plain_steps += steps
         for label, n in budgets:
             result, _ = _timed_generate(target, inputs, assistant_model=drafter, max_new_tokens=max_new_tokens,
-                                        tree_budget=n, tree_timer=timers[label], return_dict_in_generate=True)
+                                        tree_budget=n, tree_timer=timers[label], tree_guard=False,
+                                        return_dict_in_generate=True)
             committed[label] += sum(len(r.committed) for r in result.rounds)
     plain_ms = 1000 * plain_seconds / max(plain_steps, 1)
     rows = []

@@ -20,7 +20,8 @@ from .bench_suites import SUITE_LABELS
 # (method, baseline) pairs whose per-prompt acceptance lengths are compared in the report
 PAIRS = (("dspark_tree", "dspark"), ("treespark", "dspark_tree"), ("treespark", "treespark_chain"),
          ("treespark_lookup", "treespark"), ("treespark_datastore", "treespark_lookup"),
-         ("treespark_chain", "baseline_chain"), ("treespark_datastore", "baseline_datastore"))
+         ("treespark_chain", "baseline_chain"), ("treespark_datastore", "baseline_datastore"),
+         ("treespark_datastore", "treespark_unguarded"))
 
 
 def paired_differences(report: dict) -> list[dict]:
@@ -50,8 +51,9 @@ def cell(value, spec: str = ".2f") -> str:
     return "–" if value is None else format(value, spec)
 
 
-SHARE_COLUMNS = {"lookup_accepted": ("treespark_lookup", "treespark_datastore"),
-                 "datastore_accepted": ("treespark_datastore",)}  # the methods that can have such tokens
+# the methods that can have such tokens
+SHARE_COLUMNS = {"lookup_accepted": ("treespark_lookup", "treespark_datastore", "treespark_unguarded"),
+                 "datastore_accepted": ("treespark_datastore", "treespark_unguarded")}
 
 
 def _share(row: dict, key: str) -> str:
@@ -59,6 +61,15 @@ def _share(row: dict, key: str) -> str:
     if row["method"] not in SHARE_COLUMNS[key] or not row["new_tokens"]:
         return "–"
     return f"{100 * row.get(key, 0) / row['new_tokens']:.1f}%"
+
+
+def _time_share(row: dict, phase: str) -> str:
+    """The share of a drafter method's wall time spent in one round phase (`draft`: drafter passes, `datastore`:
+    its lookups), from the phase timer the bench runs it with."""
+    phases = row.get("phase_seconds") or {}
+    if not phases or not row["seconds"]:
+        return "–"
+    return f"{100 * phases.get(phase, 0.0) / row['seconds']:.1f}%"
 
 
 def markdown_table(report: dict) -> str:
@@ -71,15 +82,21 @@ def markdown_table(report: dict) -> str:
         f"{cfg['tree_budget']} (requested {cfg['requested_budget']}); torch {cfg['torch']}, "
         f"transformers {cfg['transformers']}.",
         "",
-        "| suite | method | acceptance length | tokens/s | speedup vs plain | exact | new tokens from lookup "
-        "| new tokens from datastore | SD over prompts |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| suite | method | acceptance length | tokens/s | speedup vs plain | vs prompt lookup | exact "
+        "| new tokens from lookup | new tokens from datastore | time in drafter passes | time in datastore lookups "
+        "| SD over prompts |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    lookup_tps = {r["suite"]: r["tokens_per_second"] for r in report["results"] if r["method"] == "prompt_lookup"}
     for row in report["results"]:
+        versus = lookup_tps.get(row["suite"])
+        versus = row["tokens_per_second"] / versus if versus and row["tokens_per_second"] else None
         lines.append(f"| {SUITE_LABELS[row['suite']]} | {row['label']} | {cell(row['acceptance_length'])} | "
                      f"{cell(row['tokens_per_second'], '.1f')} | {cell(row['speedup'])}x | "
-                     f"{row['exact']}/{row['prompts']} | {_share(row, 'lookup_accepted')} | "
-                     f"{_share(row, 'datastore_accepted')} | {cell(row.get('acceptance_sd'))} |")
+                     f"{cell(versus)}{'x' if versus else ''} | {row['exact']}/{row['prompts']} | "
+                     f"{_share(row, 'lookup_accepted')} | {_share(row, 'datastore_accepted')} | "
+                     f"{_time_share(row, 'draft')} | {_time_share(row, 'datastore')} | "
+                     f"{cell(row.get('acceptance_sd'))} |")
     pairs = paired_differences(report)
     if pairs:
         lines += ["", "Paired per-prompt differences in acceptance length (same prompts; SE = SD / sqrt(n)):", "",
@@ -105,7 +122,7 @@ def markdown_table(report: dict) -> str:
 
 # matplotlib's "tab10" colours: one per method, the same in every plot.
 PLOT_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
-                "#bcbd22", "#17becf")
+                "#bcbd22", "#17becf", "#393b79")
 
 
 def method_colours(methods) -> dict[str, str]:

@@ -235,7 +235,7 @@ CUSTOM_GENERATE_MODULES = ("batch.py", "budget.py", "configuration.py", "datasto
                            "integration.py", "lookup.py", "modeling.py", "modeling_binding.py", "modeling_block.py",
                            "modeling_heads.py", "modeling_io.py", "storage.py", "tree.py", "verify.py", "cpu_gemm.py",
                            "latency.py",
-                           "generation_checks.py", "generation_output.py", "generation_batch.py")
+                           "generation_checks.py", "generation_output.py", "generation_batch.py", "call_guard.py")
 
 
 def write_custom_generate(save_directory: str | os.PathLike) -> Path:

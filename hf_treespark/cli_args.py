@@ -78,7 +78,9 @@ def add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter", help="drafter directory; its config.json gets acceptance_profile (default: the "
                                           "shipped drafter, latency only)")
     parser.add_argument("--target", help=TARGET_HELP)
-    parser.add_argument("--suite", default="sharegpt", help="prompt suite (mtbench, humaneval, sharegpt held-out)")
+    parser.add_argument("--suite", default="sharegpt", choices=("mtbench", "humaneval", "sharegpt"),
+                        help="prompt suite (sharegpt: held-out first turns; the bench's copy, multiturn and math "
+                             "suites are never calibrated on)")
     parser.add_argument("--num-prompts", type=positive_int, default=8)
     parser.add_argument("--max-new-tokens", type=positive_int, default=96)
     parser.add_argument("--budgets", default="2,4,8,16,32,64")

@@ -13,6 +13,7 @@ Their public names are importable from here too.
 
 from __future__ import annotations
 
+import time
 from contextlib import nullcontext
 
 import torch
@@ -20,6 +21,7 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from .budget import auto_budget
+from .call_guard import hand_off, resolve_guard
 from .datastore import HEADER_TOKENS
 from .engine import TreeSparkSession, draft_pool
 from .generation_batch import batched_decoding
@@ -49,6 +51,17 @@ def _pick(processed: torch.Tensor, do_sample: bool) -> torch.Tensor:
     if do_sample:
         return torch.multinomial(torch.softmax(processed, dim=-1), num_samples=1)
     return processed.argmax(dim=-1, keepdim=True)
+
+
+def _committed(rnd, ids: torch.Tensor, stopping_criteria: StoppingCriteriaList):
+    """`(ids with the round's tokens, the tokens committed, whether the call is done)`: a stopping criterion met
+    inside the round cuts its tokens there."""
+    new_tokens = rnd.tokens
+    ids = torch.cat([ids, new_tokens], dim=1)
+    stop = first_stop(stopping_criteria, ids, new_tokens.shape[1])
+    if stop is None:
+        return ids, new_tokens, False
+    return ids[:, : ids.shape[1] - new_tokens.shape[1] + stop], new_tokens[:, :stop], True
 
 
 def _auto_chooser(model, drafter, policy: TreePolicy):
@@ -81,6 +94,7 @@ def treespark_decoding(
     tree_datastore=None,
     tree_record: bool = False,
     tree_timer=None,
+    tree_guard=True,
     **model_kwargs,
 ):
     """The TreeSpark decoding loop (a transformers `custom_generate` callable).
@@ -91,6 +105,8 @@ def treespark_decoding(
     `inputs_embeds` are refused (`check_arguments`). `tree_record=True` stores each round's tree in its record;
     `tree_gate`: the drafter gate's threshold with lookup on (`resolve_gate`).
     `tree_timer` (an `engine.PhaseTimer`) sums the wall time of each round phase (`treespark bench --profile`).
+    `tree_guard` (batch size 1): a call whose rounds commit tokens more slowly than plain steps hands the rest of
+    the call to transformers' own loop (`call_guard.py`; False turns it off; not with scores, logits or padding).
     One target forward per round: nothing is measured here (`tree_budget="auto"` reads the latency
     that `hf_treespark.budget.calibrate_latency` stored, or falls back to a default budget).
     """
@@ -132,26 +148,33 @@ def treespark_decoding(
     done = first_stop(stopping_criteria, ids, 1) is not None
 
     rounds: list[RoundRecord] = []
+    guard = resolve_guard(tree_guard, guardable=not (want_scores or want_logits) and num_pad == 0)
+    handed_off = False
     while not done:
+        if guard is not None and guard.should_hand_off:  # slower than plain steps: transformers' loop from here
+            start = ids.shape[1]
+            ids = hand_off(model, session, ids, logits_processor, stopping_criteria, generation_config, streamer)
+            rounds.extend(RoundRecord.plain_step(token) for token in ids[0, start:].tolist())
+            handed_off = True
+            break
+        probe = guard is not None and guard.probing
+        session.planner.max_nodes = 0 if probe else None  # a probe verifies the root alone: a plain step
+        began = time.perf_counter()
         with session.timer("round") if session.timer is not None else nullcontext():
             rnd = session.step(ids)
-            new_tokens = rnd.tokens
-            ids = torch.cat([ids, new_tokens], dim=1)
-            stop = first_stop(stopping_criteria, ids, new_tokens.shape[1])
-            if stop is not None:
-                ids = ids[:, : ids.shape[1] - new_tokens.shape[1] + stop]
-                new_tokens = new_tokens[:, :stop]
-                done = True
-            committed = new_tokens.shape[1]
+            ids, new_tokens, done = _committed(rnd, ids, stopping_criteria)
             if want_scores:
-                scores.extend(rnd.acceptance.scores[:committed])
+                scores.extend(rnd.acceptance.scores[:new_tokens.shape[1]])
             if want_logits:
-                raw_logits.extend(rnd.acceptance.raw_logits[:committed])
+                raw_logits.extend(rnd.acceptance.raw_logits[:new_tokens.shape[1]])
             if streamer is not None:
                 streamer.put(new_tokens.cpu())
             rounds.append(RoundRecord.of(rnd, new_tokens[0].tolist(), tree_record))
+        if guard is not None:
+            guard.observe(time.perf_counter() - began, new_tokens.shape[1], probe)
+    session.planner.max_nodes = None
 
-    if streamer is not None:
+    if streamer is not None and not handed_off:  # transformers' loop ended the stream it took over
         streamer.end()
     if datastore is not None:  # growing with use, where the datastore keeps added outputs (`grow_tokens`)
         datastore.add(ids[0, max(0, input_ids.shape[1] - HEADER_TOKENS):].tolist())

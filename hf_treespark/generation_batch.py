@@ -164,8 +164,7 @@ def _finish_plain(model, session: BatchedSession, active: list[int], sequences: 
         count = stops.stopped[row] if stops.stopped[row] is not None else out.shape[1] - width
         new_tokens = out[row:row + 1, width:width + count]
         sequences[i] = torch.cat([sequences[i], new_tokens], dim=1)
-        records[i].extend(RoundRecord(tree_size=0, num_accepted=0, accepted_path=[], committed=[token])
-                          for token in new_tokens[0].tolist())
+        records[i].extend(RoundRecord.plain_step(token) for token in new_tokens[0].tolist())
 
 
 def _plain_batch(model, drafter, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs):

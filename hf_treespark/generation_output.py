@@ -51,6 +51,11 @@ class RoundRecord:
                    tree=tree_record_dict(rnd.tree) if keep_tree else None,
                    lookup_accepted=rnd.lookup_accepted(accepted), datastore_accepted=rnd.datastore_accepted(accepted))
 
+    @classmethod
+    def plain_step(cls, token: int) -> RoundRecord:
+        """The record of one plain decoding step (transformers' loop after a hand-off): one token, no tree."""
+        return cls(tree_size=0, num_accepted=0, accepted_path=[], committed=[token])
+
 
 @dataclass
 class TreeSparkGenerateOutput(GenerateDecoderOnlyOutput):

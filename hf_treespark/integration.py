@@ -41,7 +41,7 @@ from transformers import GenerationMixin, StoppingCriteriaList, StopStringCriter
 from .generation import treespark_decoding
 
 TREE_KWARGS = ("tree_budget", "tree_topk", "tree_depth", "tree_frontier", "tree_chain", "tree_lookup", "tree_gate",
-               "tree_datastore", "tree_record", "tree_timer")
+               "tree_datastore", "tree_record", "tree_timer", "tree_guard")
 # GenerationConfig fields of transformers' assisted decoding (chain drafters, prompt lookup, early
 # exit, universal assisted decoding); a TreeSpark drafter uses none of them.
 ASSISTED_FIELDS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold",

@@ -17,9 +17,10 @@ is wrong for every later process (a busy machine once timed the drafter's pass a
 So every forward is timed `LATENCY_REPEATS` times, the budgets interleaved and rotated so that a burst of load slows
 all of them alike, and the minimum kept; the table must pass `latency_problem` (times of the right type and range,
 verify and draft non-decreasing in `N` within noise, the drafter's pass roughly flat) and other processes must have
-kept less than `BUSY_CORES` cores busy meanwhile (`/proc/stat`). Otherwise it is measured once more, and then, if it
-still fails, not stored: a note of the attempt keeps later processes from measuring again for `UNTRUSTED_RETRY_S`
-(a machine busy then is likely busy still).
+kept at most `busy_cores_limit` cores busy meanwhile (`/proc/stat`; on a CPU `BUSY_CORES`, on a GPU's host all but
+`ACCELERATOR_FREE_CORES`). Otherwise it is measured once more, and then, if it still fails, not stored: a note of
+the attempt keeps later processes from measuring again for `UNTRUSTED_RETRY_S` (a machine busy then is likely busy
+still).
 
 Reading never raises: a damaged or implausible file or entry is ignored with one warning naming it, and an
 unwritable location keeps measurements for the process. Writes merge under a lock: the lock file beside the cache
@@ -54,7 +55,8 @@ LATENCY_REPEATS = 5  # timed passes over every budget; each time is the minimum 
 SHAPE_TOLERANCE = 0.25  # a larger budget may time this much (relative) below a smaller one: noise
 SHAPE_FLOOR_S = 0.0005  # ... or this much (absolute, seconds): tiny models' timings are all overhead
 DRAFT_SPREAD = 4.0  # the drafter's pass may differ this much across budgets (its tree expands deeper)
-BUSY_CORES = 0.3  # other processes' CPU use during a measurement, in cores, beyond which it is not stored
+BUSY_CORES = 0.3  # other processes' CPU use during a CPU measurement, in cores, beyond which it is not stored
+ACCELERATOR_FREE_CORES = 2  # on an accelerator's host, cores other processes must leave free (`busy_cores_limit`)
 UNTRUSTED_RETRY_S = 3600  # after an untrusted measurement, later processes use the default this long
 BATCH_SIZES = (2, 4, 8, 16)  # the batch sizes calibration measures (`budget.BatchBudget`)
 BATCH_VERIFY_TOKENS = 320  # a batch's candidate budgets keep its verify forward at most this many tokens
@@ -85,9 +87,11 @@ def measured_batch(batch: int) -> int:
 
 
 def device_signature(device: torch.device) -> str:
-    """What the latency depends on besides the models: the chip and, on CPU, the threads."""
+    """What the latency depends on besides the models: the chip (on CUDA its name and multiprocessor count, which
+    tells a MIG slice from the whole GPU of the same name) and, on CPU, the threads."""
     if device.type == "cuda":
-        return f"cuda:{torch.cuda.get_device_name(device)}"
+        props = torch.cuda.get_device_properties(device)
+        return f"cuda:{props.name}:{props.multi_processor_count}SMs"
     model_name = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -156,6 +160,18 @@ class _OthersLoad:
             others = (busy - self.start[0]) - (own - self.start[1])
             self.cores = max(0.0, others / (wall - self.start[2]))
         return False
+
+
+def busy_cores_limit(device: torch.device, cpu_count: int | None = None) -> float:
+    """Other processes' CPU use during a measurement on `device`, in cores, beyond which it is not stored.
+
+    On a CPU the forwards use every thread torch has, so any other load distorts them: `BUSY_CORES`. On an
+    accelerator the host only launches kernels, from one thread, so other processes may keep all but
+    `ACCELERATOR_FREE_CORES` of the machine's `cpu_count` cores busy (not `BUSY_CORES`: a GPU host with a few busy
+    cores would never store a measurement, and "auto" would keep its default)."""
+    if device.type == "cpu":
+        return BUSY_CORES
+    return max(BUSY_CORES, float((cpu_count or os.cpu_count() or 1) - ACCELERATOR_FREE_CORES))
 
 
 def _busy_cpu_seconds() -> float | None:
@@ -358,7 +374,7 @@ def round_latency(target, drafter, policy: TreePolicy, budgets=CANDIDATE_BUDGETS
     `measure=False` only reads: None when this device, dtype and model shape were never measured, or when the
     cached entry is unusable or implausible (`latency_problem`; one warning names the file and what is
     wrong). Never raises because of the cache. Measuring: a table that fails `latency_problem`, or that was
-    measured while other processes kept more than `BUSY_CORES` cores busy, is measured once more; if that
+    measured while other processes kept more than `busy_cores_limit` cores busy, is measured once more; if that
     one fails too nothing is stored, a warning says why, and None is returned ("auto" uses its default).
     A cache location that cannot be written (read-only, a directory, ...) is found before measuring: the
     table is then kept for this process only, with one warning naming `HF_TREESPARK_CACHE`. `fallback`: the
@@ -376,11 +392,12 @@ def round_latency(target, drafter, policy: TreePolicy, budgets=CANDIDATE_BUDGETS
     if location_problem is not None:
         _warn_once(_unkept(location_problem), about=("location", str(path)))
     problem = None
+    busy_limit = busy_cores_limit(next(target.parameters()).device)
     for _ in range(2):
         measured = measure_round_latency(target, drafter, policy, budgets, context, batch=batch)
         load = measured.get("others_load")
         problem = (f"other processes kept {load:.1f} CPU cores busy while it was measured"
-                   if load is not None and load > BUSY_CORES else latency_problem(measured, budgets))
+                   if load is not None and load > busy_limit else latency_problem(measured, budgets))
         if problem is None:
             break
     if problem is not None:

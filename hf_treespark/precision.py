@@ -1,6 +1,6 @@
 """The precision models load in: `dtype="auto"` picks half precision where the hardware computes it natively.
 
-bfloat16 on CUDA devices that support it (float16 on older ones) and on CPUs with native bf16
+bfloat16 on CUDA devices that compute it natively (float16 on older ones) and on CPUs with native bf16
 instructions (x86 `avx512_bf16` or `amx_bf16`, Arm `bf16`); float32 elsewhere. On this project's
 2-core CPU, bf16 runs SmolLM2-135M about 1.7x faster than float32 end to end. Greedy output in half
 precision may differ from float32 at floating-point near-ties of the target's logits
@@ -33,11 +33,20 @@ def cpu_has_native_bf16() -> bool:
     return False
 
 
+def cuda_has_native_bf16(device: str | torch.device = "cuda") -> bool:
+    """Whether the CUDA device computes bf16 natively: compute capability 8.0 (Ampere) or later, or any ROCm device.
+    Not `torch.cuda.is_bf16_supported()`: by default it also counts emulated bf16 (slower than float16 on a V100 or
+    a T4), and it asks about the current device rather than `device`."""
+    if not torch.cuda.is_available():
+        return False
+    return bool(torch.version.hip) or torch.cuda.get_device_capability(torch.device(device))[0] >= 8
+
+
 def auto_dtype(device: str | torch.device = "cpu") -> torch.dtype:
     """The precision `dtype="auto"` picks for `device` (see the module docstring)."""
     device = torch.device(device)
     if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cuda_has_native_bf16(device) else torch.float16
     if device.type == "cpu":
         return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     return torch.float32

@@ -214,12 +214,16 @@ def commit_cache(cache, past_len: int, keep: torch.Tensor) -> None:
     if layers is None:
         raise TypeError(f"unsupported cache type {type(cache).__name__}: TreeSpark needs a DynamicCache")
     index = past_len + keep  # [b, m]
+    # The root alone, a lookup-only round's chain or the first nodes in order: the entries are where they belong
+    # already, and only the rest is dropped (no gather, no copy).
+    in_place = bool((keep == torch.arange(keep.shape[1], device=keep.device)).all())
     for layer in layers:
         if type(layer).__name__ != "DynamicLayer":
             raise TypeError(f"unsupported cache layer {type(layer).__name__}: TreeSpark commits non-contiguous "
                             "tree entries and supports full-attention DynamicCache layers only")
         for name in ("keys", "values"):
             tensor = getattr(layer, name)
-            idx = index[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3])
-            tensor[:, :, past_len:past_len + keep.shape[1]] = tensor.gather(2, idx)
+            if not in_place:
+                idx = index[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3])
+                tensor[:, :, past_len:past_len + keep.shape[1]] = tensor.gather(2, idx)
             setattr(layer, name, tensor[:, :, :past_len + keep.shape[1]])

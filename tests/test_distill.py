@@ -102,7 +102,7 @@ def test_a_distilled_label_is_the_targets_argmax_at_that_position_of_any_text(gr
     gen = torch.Generator().manual_seed(3)
     sequences = [TextSequence(f"t{i}", torch.randint(4, 128, (n,), generator=gen).tolist(), [a > 0 for a in range(n)])
                  for i, n in enumerate((9, 17, 12))]
-    got = distil_batch(target, drafter, sequences)
+    got = distil_batch(target, drafter, sequences, anchors="all")
     with torch.no_grad():
         argmax = [target(torch.tensor([s.input_ids])).logits[0, 1:].argmax(-1) for s in sequences]
     assert len(got["label"]) == 8 + 16 + 11
@@ -110,6 +110,29 @@ def test_a_distilled_label_is_the_targets_argmax_at_that_position_of_any_text(gr
     following = torch.cat([torch.tensor(s.input_ids[2:] + [-1]) for s in sequences])
     assert not torch.equal(got["label"], following)  # the target's own choice, not the text's next token
     assert torch.equal(got["token"], torch.cat([torch.tensor(s.input_ids[1:]) for s in sequences]))
+
+
+def test_agreeing_anchors_are_the_positions_whose_token_is_the_targets_argmax_at_the_one_before(grown):
+    target, drafter = grown
+    gen = torch.Generator().manual_seed(5)
+    prompt = torch.randint(4, 128, (1, 5), generator=gen)
+    own = target.generate(prompt, do_sample=False, max_new_tokens=12, pad_token_id=0)[0].tolist()
+    noise = torch.randint(4, 128, (14,), generator=gen).tolist()
+    texts = [own, noise, own[:9] + noise[:6]]  # the target's own text, noise, and its text turning to noise
+    sequences = [TextSequence(f"t{i}", ids, [a > 0 for a in range(len(ids))]) for i, ids in enumerate(texts)]
+    every = distil_batch(target, drafter, sequences, anchors="all")
+    kept = distil_batch(target, drafter, sequences, anchors="agreeing")
+    with torch.no_grad():
+        before = [target(torch.tensor([ids])).logits[0, :-1].argmax(-1) for ids in texts]
+    agree = torch.cat([b == torch.tensor(ids[1:]) for b, ids in zip(before, texts, strict=True)])
+    assert 0 < int(agree.sum()) < len(agree)
+    for field in ("token", "label"):
+        assert torch.equal(kept[field], every[field][agree])
+    assert torch.equal(kept["features"], every["features"][agree])
+    assert torch.allclose(kept["hidden"].float(), every["hidden"][agree].float(), atol=0.02, rtol=0.02)
+    assert bool(agree[4:16].all())  # the target's own continuation agrees at every anchor after its prompt
+    with pytest.raises(ValueError, match="anchors"):
+        distil_batch(target, drafter, sequences, anchors="some")
 
 
 def test_chat_files_label_their_assistant_turns_and_text_files_every_position(tokenizer, tmp_path):
@@ -176,9 +199,9 @@ def test_the_fingerprint_follows_the_sources_their_contents_and_the_options(toke
 def test_streamed_training_learns_and_a_stopped_run_resumes_at_its_stream_position(grown, tmp_path, monkeypatch):
     target, drafter = grown
     sequences = motif_sequences(40)
-    dev = {"dev": distil_batch(target, drafter, sequences[:4])}
+    dev = {"dev": distil_batch(target, drafter, sequences[:4], anchors="all")}
     config = StreamConfig(batch_size=4, buffer_positions=256, passes=3.0, max_positions=600, eval_every=20,
-                          save_every=10)
+                          save_every=10, anchors="all")
 
     def crashing():
         for i, sequence in enumerate(sequences):
@@ -199,7 +222,8 @@ def test_streamed_training_learns_and_a_stopped_run_resumes_at_its_stream_positi
     assert 0 < at < 14 and step > 0 and step % 10 == 0
     distilled = []
     real = distill.distil_batch
-    monkeypatch.setattr(distill, "distil_batch", lambda t, d, batch, **kw: distilled.extend(batch) or real(t, d, batch))
+    monkeypatch.setattr(distill, "distil_batch",
+                        lambda t, d, batch, **kw: distilled.extend(batch) or real(t, d, batch, **kw))
     curve = distil_stream(target, again, iter(sequences), resumed, dev, config, progress=False)
     assert distilled[0].id == sequences[at].id  # the stream goes on where the checkpoint says
     assert resumed.stream["positions_seen"] == 600 and resumed.step == math.ceil(3.0 * 600 / 32)
@@ -219,11 +243,11 @@ def test_stored_positions_stay_within_their_budget_and_resume_without_repeats(gr
     shards = PositionShards(tmp_path, "signature")
     sequences = motif_sequences(12)
     state = distil_to_shards(target, drafter, sequences, shards, max_positions=50, batch_size=1, shard_positions=20,
-                             progress=False)
+                             progress=False, anchors="all")
     assert state["positions"] == 50 and state["references_done"] == 3 and state["shards"] == 3  # 23, 23, then 4
     first = shards.load()
     state = distil_to_shards(target, drafter, sequences, shards, max_positions=120, batch_size=2, shard_positions=20,
-                             progress=False)
+                             progress=False, anchors="all")
     data = shards.load()
     assert state["positions"] == len(data["label"]) == 120 and state["references_done"] == 7
     assert all(torch.equal(data[k][:50], first[k]) for k in first)
@@ -289,7 +313,7 @@ def test_a_distil_run_trains_saves_and_a_rerun_resumes(tmp_path, monkeypatch, ca
     (tmp_path / "dev.jsonl").write_text(json.dumps({"prompt_ids": [5, 6, 7], "response_ids": [8, 9, 10, 11, 12]}))
     argv = ["--drafter", tmp_path / "drafter", "--sources", tmp_path / "a.txt", "--dev-data", tmp_path / "dev.jsonl",
             "--max-length", 64, "--batch-size", 2, "--train-batch-size", 16, "--buffer-positions", 64,
-            "--max-positions", 200, "--eval-every", 5, "--output-dir", tmp_path / "out"]
+            "--max-positions", 200, "--eval-every", 5, "--anchors", "all", "--output-dir", tmp_path / "out"]
     assert distill.run(parse(*argv)) == 0
     out = capsys.readouterr().out
     assert "200 positions" in out and "resumed" not in out
@@ -299,8 +323,9 @@ def test_a_distil_run_trains_saves_and_a_rerun_resumes(tmp_path, monkeypatch, ca
     assert loaded.config.depth1_head == 16
     assert distill.run(parse(*argv)) == 0
     assert f"resumed at step {rows[-1]['step']}" in capsys.readouterr().out
-    with pytest.raises(ValueError, match="other --sources, --positions, --max-length or --target"):
-        distill.run(parse(*argv, "--positions", "all"))
+    for other in (("--positions", "all"), ("--anchors", "agreeing")):
+        with pytest.raises(ValueError, match="other --sources, --positions, --anchors, --max-length or --target"):
+            distill.run(parse(*argv, *other))
     with pytest.raises(ValueError, match=re.escape("other --max-disk-gb (stored or streamed)")):
         distill.run(parse(*argv, "--max-disk-gb", 1))
 
@@ -322,7 +347,7 @@ def test_the_throughput_script_times_each_phase_of_a_batch(grown):
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     target, drafter = grown
-    args = argparse.Namespace(batches=2, train_steps=2, train_batch_size=16, passes=1.0)
+    args = argparse.Namespace(batches=2, train_steps=2, train_batch_size=16, passes=1.0, anchors="all")
     row = script.measure(target, drafter, iter(motif_sequences(9)), 3, args)
     assert row["positions"] == 3 * 23 and row["tokens"] == 3 * 24
     assert all(row[k] > 0 for k in ("target", "drafter", "train", "end_to_end"))

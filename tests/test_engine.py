@@ -300,3 +300,23 @@ def test_a_lookup_only_round_accepted_whole_lengthens_the_next_one():
     sizes = [len(r.tree["tokens"]) - 1 for r in out.rounds]
     assert sizes[0] == 4 and max(sizes) == LOOKUP_LONG_TOKENS > drafter.config.block_size, sizes
     assert all(r.num_accepted == size for r, size in zip(out.rounds[:-1], sizes, strict=False))
+
+
+def test_commit_cache_keeps_the_accepted_entries_whether_they_move_or_are_already_in_place():
+    from transformers import DynamicCache
+
+    from hf_treespark.verify import commit_cache
+
+    target = make_target("llama")
+    for keep in ([0], [0, 1, 2], [0, 2, 5], [0, 1, 4]):
+        cache = DynamicCache(config=target.config)
+        past, chunk = 4, 7
+        values = torch.arange(past + chunk, dtype=torch.float32)[None, None, :, None].expand(1, 2, -1, 3)
+        for layer in range(target.config.num_hidden_layers):
+            cache.update(values.clone() + layer, values.clone() - layer, layer)
+        commit_cache(cache, past, torch.tensor([keep]))
+        expected = torch.tensor(list(range(past)) + [past + k for k in keep], dtype=torch.float32)
+        for layer_index, layer in enumerate(cache.layers):
+            assert torch.equal(layer.keys[0, 1, :, 0], expected + layer_index)
+            assert torch.equal(layer.values[0, 0, :, 2], expected - layer_index)
+        assert cache.get_seq_length() == past + len(keep)

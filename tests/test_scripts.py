@@ -236,3 +236,16 @@ def test_train_throughput_checks_its_data_and_precision_before_loading_the_targe
         "dtype": (["--data", data, "--dtype", "fp64"], ["--dtype", "'fp64'"]),
     }[case]
     assert_refused(run_script(tmp_path, "train_throughput.py", *args, "--output-dir", tmp_path / "out"), *expected)
+
+
+@pytest.mark.parametrize("case", ["dtype", "repeated dtype", "no dtype", "prompts 0", "tokens 0", "mode"])
+def test_compiled_plain_refuses_bad_arguments_before_loading(tmp_path, case):
+    args, expected = {
+        "dtype": (["--dtypes", "bf16,fp64"], ["--dtypes", "'bf16,fp64'"]),
+        "repeated dtype": (["--dtypes", "fp32,fp32"], ["--dtypes", "each once"]),
+        "no dtype": (["--dtypes", ","], ["--dtypes", "','"]),
+        "prompts 0": (["--num-prompts", "0"], ["--num-prompts", ">= 1"]),
+        "tokens 0": (["--max-new-tokens", "0"], ["--max-new-tokens", ">= 1"]),
+        "mode": (["--compile-mode", "fast"], ["--compile-mode", "'fast'"]),
+    }[case]
+    assert_refused(run_script(tmp_path, "compiled_plain.py", *args), *expected)

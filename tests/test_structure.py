@@ -30,7 +30,7 @@ LAYERS = [
     {"latency"},
     {"budget"},
     # what generate() promises: what a call accepts and returns, the batched loop; then the loop itself
-    {"generation_checks", "generation_output", "generation_batch"},
+    {"generation_checks", "generation_output", "generation_batch", "call_guard"},
     {"generation"},
     {"integration", "hub_generate", "demo_run"},
     # the bench's parts: what it compares and on which prompts; the report; the batch bench and the round profile

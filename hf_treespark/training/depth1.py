@@ -377,16 +377,17 @@ class Depth1Trainer:
         return curve
 
 
-def grow_depth1_head(drafter, width: int):
+def grow_depth1_head(drafter, width: int, fresh: bool = False):
     """A copy of `drafter` with a fresh depth-1 head of MLP width `width` (drafting exactly as before until it is
-    trained); a drafter that has one is returned as it is."""
-    if drafter.depth1_head is not None:
+    trained); a drafter that has one is returned as it is, unless `fresh` (its head is replaced by a fresh one)."""
+    if drafter.depth1_head is not None and not fresh:
         return drafter
     from ..configuration import TreeSparkConfig
 
     config = TreeSparkConfig.from_dict({**drafter.config.to_dict(), "depth1_head": width})
     grown = type(drafter)(config).to(drafter.fc.weight.dtype)
-    missing, unexpected = grown.load_state_dict(drafter.state_dict(), strict=False)
+    kept = {k: v for k, v in drafter.state_dict().items() if not k.startswith("depth1_head.")}
+    missing, unexpected = grown.load_state_dict(kept, strict=False)
     if unexpected or any(not name.startswith("depth1_head.") for name in missing):
         raise ValueError(f"cannot grow this drafter: keys {unexpected or missing} do not match")
     grown.datastore = drafter.datastore

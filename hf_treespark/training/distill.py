@@ -66,14 +66,22 @@ def _tick(seconds: dict | None, phase: str, since: float, device: torch.device) 
     return now
 
 
+ANCHORS = ("agreeing", "all")
+
+
 @torch.no_grad()
 def distil_batch(target, drafter, sequences: list[TextSequence], chunk: int = 96, pieces_per_pass: int = 4,
-                 seconds: dict | None = None) -> dict[str, torch.Tensor]:
+                 seconds: dict | None = None, anchors: str = "agreeing") -> dict[str, torch.Tensor]:
     """The labelled positions of `sequences`, row by row: `{"features": [n, n_layers * d_target] bf16 (at a - 1),
     "hidden": [n, H] bf16 (h_1, the head off), "token": [n] (x_a), "label": [n] (the target's argmax at a)}`.
 
-    One target forward over the right-padded batch, then drafter passes of `pieces_per_pass` pieces of at most
-    `chunk` anchors of one row each. `seconds`, if given, adds the wall time of each phase (`target`, `drafter`)."""
+    `anchors="agreeing"` keeps only the anchors whose token is the target's own argmax at the position before
+    (`x_a = argmax p(. | x_..a-1)`), as every anchor at inference is (an accepted token or the target's bonus); "all"
+    keeps every labelled position. One target forward over the right-padded batch, then drafter passes of
+    `pieces_per_pass` pieces of at most `chunk` anchors of one row each. `seconds`, if given, adds the wall time of
+    each phase (`target`, `drafter`)."""
+    if anchors not in ANCHORS:
+        raise ValueError(f"anchors={anchors!r}: use one of {', '.join(ANCHORS)}")
     device = next(target.parameters()).device
     clock = time.perf_counter()
     width = max(len(s.input_ids) for s in sequences)
@@ -91,9 +99,19 @@ def distil_batch(target, drafter, sequences: list[TextSequence], chunk: int = 96
     out = target(input_ids=ids, attention_mask=attention, output_hidden_states=True, use_cache=False,
                  **last_logits_only(target))
     features = select_features(out.hidden_states, feature_indices(drafter.config.target_layer_ids))
-    rows, cols = labelled.nonzero(as_tuple=True)  # row-major, positions ascending
-    final, head = out.hidden_states[-1][rows, cols], target.get_output_embeddings()
-    label = torch.cat([head(final[i:i + 1024]).argmax(-1) for i in range(0, max(len(rows), 1), 1024)])
+    head = target.get_output_embeddings()
+    if anchors == "agreeing":  # the argmax one position earlier too: whether the anchor's token is the target's
+        needed = labelled | F.pad(labelled[:, 1:], (0, 1))
+    else:
+        needed = labelled
+    rows, cols = needed.nonzero(as_tuple=True)  # row-major, positions ascending
+    final = out.hidden_states[-1][rows, cols]
+    argmax = torch.full_like(ids, -1)
+    argmax[rows, cols] = torch.cat([head(final[i:i + 1024]).argmax(-1) for i in range(0, max(len(rows), 1), 1024)])
+    if anchors == "agreeing":
+        labelled = labelled & F.pad(argmax[:, :-1] == ids[:, 1:], (1, 0))
+    rows, cols = labelled.nonzero(as_tuple=True)
+    label = argmax[rows, cols]
     clock = _tick(seconds, "target", clock, device)
     hidden = _anchor_states(drafter, ids, features, labelled, chunk, pieces_per_pass)
     _tick(seconds, "drafter", clock, device)
@@ -139,7 +157,8 @@ def _batched(items: Iterable, size: int) -> Iterator[list]:
 
 
 def distil_to_shards(target, drafter, sequences: Iterable[TextSequence], shards: PositionShards, max_positions: int,
-                     batch_size: int = 8, shard_positions: int = SHARD_POSITIONS, progress: bool = True) -> dict:
+                     batch_size: int = 8, shard_positions: int = SHARD_POSITIONS, progress: bool = True,
+                     anchors: str = "agreeing") -> dict:
     """Store the positions distilled from `sequences` in `shards`, up to `max_positions` in all, going on after the
     sequences done (`references_done` counts sequences here; the one cut at the limit counts as done)."""
     state = shards.progress()
@@ -152,7 +171,7 @@ def distil_to_shards(target, drafter, sequences: Iterable[TextSequence], shards:
         if batch is None:
             break
         room = max_positions - state["positions"] - pending
-        for k, v in distil_batch(target, drafter, batch).items():
+        for k, v in distil_batch(target, drafter, batch, anchors=anchors).items():
             columns[k].append(v[:room].cpu())
         pending, done = pending + len(columns["label"][-1]), done + len(batch)
         bar.update(len(columns["label"][-1]))
@@ -177,6 +196,7 @@ class StreamConfig:
     max_positions: int = 1_000_000  # positions to distil; the learning-rate schedule spans them
     eval_every: int = 500  # optimizer steps between development evaluations
     save_every: int = 500  # optimizer steps between checkpoints
+    anchors: str = "agreeing"  # which labelled positions are anchors (`distil_batch`)
 
     def total_steps(self, train_batch: int) -> int:
         return math.ceil(self.passes * self.max_positions / train_batch)
@@ -303,7 +323,8 @@ def distil_stream(target, drafter, sequences: Iterable[TextSequence], trainer: D
         if batch is None:
             break
         room = config.max_positions - stream["positions_seen"]
-        columns = {k: v[:room] for k, v in distil_batch(target, drafter, batch, seconds=phases).items()}
+        columns = {k: v[:room] for k, v in distil_batch(target, drafter, batch, seconds=phases,
+                                                                      anchors=config.anchors).items()}
         buffer.add(columns)
         n = len(columns["label"])
         stream["sequences_done"] += len(batch)
@@ -343,6 +364,10 @@ def add_arguments(p) -> None:
     p.add_argument("--positions", choices=POSITIONS, default="assistant",
                    help="the positions of a chat that are labelled: its assistant turns' tokens (what the drafter "
                         "drafts), or all")
+    p.add_argument("--anchors", choices=ANCHORS, default="agreeing",
+                   help="agreeing: only positions whose token is the target's own argmax at the position before, as "
+                        "every anchor at inference is (text the target would not have written trains a head that "
+                        "does worse on the target's own text); all: every labelled position")
     p.add_argument("--max-length", type=int, default=512, help="tokens per window (longer texts are cut into several)")
     p.add_argument("--batch-size", type=int, default=8, help="windows per target forward")
     p.add_argument("--train-batch-size", type=int, default=256, help="positions per optimizer step")
@@ -352,6 +377,9 @@ def add_arguments(p) -> None:
     p.add_argument("--max-positions", type=int, default=1_000_000,
                    help="positions to distil; the learning-rate schedule (warm-up, cosine to a tenth) spans them")
     p.add_argument("--width", type=int, default=2048, help="the MLP width of a fresh depth-1 head")
+    p.add_argument("--fresh-head", action="store_true",
+                   help="replace the drafter's depth-1 head, if it has one, by a fresh one of --width (to compare "
+                        "sources from the same start); default: train the head it has")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     p.add_argument("--max-disk-gb", type=float,
                    help="store the positions as bf16 shards in OUTPUT_DIR/positions, at most this many GB, then train "
@@ -397,7 +425,7 @@ def claim_output_dir(out: Path, run: dict[str, str]) -> None:
     """`OUTPUT_DIR/distil.json` says what the run in it distils (`mode`, `sources`, `drafter` fingerprints); a rerun
     of other options, or a directory of another kind of run, is refused before anything is written."""
     path, flags = out / "distil.json", {"mode": "--max-disk-gb (stored or streamed)", "drafter": "--drafter or --width",
-                                        "sources": "--sources, --positions, --max-length or --target"}
+                                        "sources": "--sources, --positions, --anchors, --max-length or --target"}
     if path.is_file():
         changed = [flags[k] for k, v in run.items() if json.loads(path.read_text()).get(k) != v]
         if changed:
@@ -425,13 +453,15 @@ def run(args) -> int:
     target, tokenizer = load_target(args.target, with_tokenizer=True)
     base = TreeSparkDrafter.from_pretrained(args.drafter or DEFAULT_DRAFTER_DIR, dtype=torch.float32)
     stored_dtype = base.config.dtype if isinstance(getattr(base.config, "dtype", None), str) else "bfloat16"
-    drafter = grow_depth1_head(base, args.width).bind_target(target).eval()
-    signature = block_signature(drafter)
+    drafter = grow_depth1_head(base, args.width, fresh=args.fresh_head).bind_target(target).eval()
+    block = block_signature(drafter)
+    signature = block + ("-fresh" if args.fresh_head else "")
     text = sources_fingerprint(sources, args.positions, args.max_length, tokenizer)
+    text += "" if args.anchors == "all" else f"-{args.anchors}"  # a run from before the option keeps its own
     claim_output_dir(out, {"mode": "stored" if args.max_disk_gb else "streamed", "sources": text, "drafter": signature})
     dev_refs = (load_references(args.dev_data, max_length=args.max_length, vocab_size=target.config.vocab_size)
                 if args.dev_data else build_dev_set(target, tokenizer, out / "dev_references.jsonl"))
-    dev_shards = PositionShards(out / "dev_positions", signature)
+    dev_shards = PositionShards(out / "dev_positions", block)
     extract(target, drafter, dev_refs, dev_shards)
     dev = {"dev": {k: v.to(drafter.fc.weight.device) for k, v in dev_shards.load().items()}}
     sequences = text_sequences(sources, tokenizer, args.positions, args.max_length)
@@ -453,7 +483,8 @@ def _train_streamed(args, target, drafter, sequences: Iterator[TextSequence], de
         print(f"[distil] resumed at step {trainer.step}: window {stream['sequences_done']:,} of the sources, "
               f"{stream['positions_seen']:,} positions distilled")
     config = StreamConfig(batch_size=args.batch_size, buffer_positions=args.buffer_positions, passes=args.passes,
-                          max_positions=args.max_positions, eval_every=args.eval_every, save_every=args.save_every)
+                          max_positions=args.max_positions, eval_every=args.eval_every, save_every=args.save_every,
+                          anchors=args.anchors)
     print(f"[distil] streaming up to {args.max_positions:,} positions through a buffer of {args.buffer_positions:,}; "
           f"{config.total_steps(args.train_batch_size):,} steps of {args.train_batch_size}")
     distil_stream(target, drafter, sequences, trainer, dev, config)
@@ -466,7 +497,8 @@ def _train_streamed(args, target, drafter, sequences: Iterator[TextSequence], de
 
 def _train_stored(args, target, drafter, sequences: Iterator[TextSequence], dev: dict, shards: PositionShards) -> None:
     limit = min(args.max_positions, int(args.max_disk_gb * 1e9 // position_bytes(drafter)))
-    state = distil_to_shards(target, drafter, sequences, shards, limit, batch_size=args.batch_size)
+    state = distil_to_shards(target, drafter, sequences, shards, limit, batch_size=args.batch_size,
+                             anchors=args.anchors)
     print(f"[distil] {state['positions']:,} positions stored in {shards.directory} "
           f"({state['positions'] * position_bytes(drafter) / 1e9:.2f} GB of --max-disk-gb {args.max_disk_gb})")
     data = shards.load()

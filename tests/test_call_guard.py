@@ -1,0 +1,112 @@
+"""The per-call guard (`call_guard.py`): a batch-1 call whose rounds are slower than plain steps goes on in
+transformers' loop, and its output is still plain decoding's, token for token."""
+
+import pytest
+import torch
+from conftest import make_drafter, make_target
+from test_generation import RecordingStreamer, prompt
+
+from hf_treespark.call_guard import CallGuard, resolve_guard
+
+
+def test_the_guard_probes_after_a_window_and_hands_off_only_when_rounds_are_slower_per_token():
+    guard = CallGuard(window=3, probes=2, margin=0.05)
+    for _ in range(3):
+        assert not guard.probing and not guard.should_hand_off
+        guard.observe(0.30, 2, probe=False)  # 0.15 s per token
+    assert guard.probing
+    guard.observe(0.10, 1, probe=True)
+    assert guard.probing and not guard.should_hand_off  # one probe of two
+    guard.observe(0.12, 1, probe=True)  # plain pace 0.11 s per token
+    assert not guard.probing
+    assert guard.plain_seconds_per_token == pytest.approx(0.11)
+    assert guard.should_hand_off  # 0.15 > 0.11 * 1.05
+
+    fast = CallGuard(window=3, probes=1, margin=0.05)
+    for _ in range(3):
+        fast.observe(0.20, 3, probe=False)
+    fast.observe(0.10, 1, probe=True)
+    assert not fast.should_hand_off  # 0.067 s per token against 0.10
+    for _ in range(3):  # the last window turns slow: judged on the recent rounds
+        fast.observe(0.30, 1, probe=False)
+    assert fast.should_hand_off
+
+    within_noise = CallGuard(window=1, probes=1, margin=0.05)
+    within_noise.observe(0.104, 1, probe=False)
+    within_noise.observe(0.100, 1, probe=True)
+    assert not within_noise.should_hand_off  # 4% slower: within the margin
+
+
+def test_tree_guard_values():
+    assert isinstance(resolve_guard(True, guardable=True), CallGuard)
+    assert resolve_guard(True, guardable=False) is None  # scores, logits or padding: no hand-off
+    assert resolve_guard(False, guardable=True) is None
+    mine = CallGuard()
+    assert resolve_guard(mine, guardable=True) is mine
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match="tree_guard"):
+            resolve_guard(bad, guardable=True)
+
+
+def always_slower() -> CallGuard:
+    """A guard that hands off right after its probe: any TreeSpark pace counts as slower."""
+    return CallGuard(window=2, probes=1, margin=-1.0)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_handed_off_call_returns_what_plain_generate_returns(arch, attn):
+    target = make_target(arch, attn)
+    drafter = make_drafter(target)
+    ids = prompt(3, 7)
+    ref = target.generate(ids, do_sample=False, max_new_tokens=40)
+    streamer = RecordingStreamer()
+    guard = always_slower()
+    out = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=40, tree_guard=guard,
+                          streamer=streamer, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    assert len(guard.rounds) == 2 and len(guard.probe_rounds) == 1  # two rounds, one probe, then transformers
+    probe = out.rounds[2]
+    assert probe.tree_size == 0 and len(probe.committed) == 1
+    handed = out.rounds[3:]
+    assert handed and all(r.tree_size == 0 and len(r.committed) == 1 for r in handed)
+    assert sum(len(r.committed) for r in out.rounds) == ref.shape[1] - ids.shape[1] - 1  # + the prefill's token
+    assert streamer.ended  # once, by transformers' loop
+    assert sum(len(p) for p in streamer.puts[1:]) == ref.shape[1] - ids.shape[1]  # every new token streamed once
+    assert out.cache.get_seq_length() == ref.shape[1] - 1  # every token but the last, as plain decoding leaves it
+
+
+def test_a_handed_off_call_stops_where_plain_generate_stops():
+    target = make_target("llama")
+    drafter = make_drafter(target)
+    ids = prompt(5, 6)
+    ref = target.generate(ids, do_sample=False, max_new_tokens=30)
+    stop_at = int(ref[0, ids.shape[1] + 12])  # a token plain decoding emits after the hand-off: an end token
+    ref_eos = target.generate(ids, do_sample=False, max_new_tokens=30, eos_token_id=stop_at)
+    out = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=30, eos_token_id=stop_at,
+                          tree_guard=always_slower())
+    assert torch.equal(out, ref_eos)
+
+
+def test_a_guard_that_never_finds_rounds_slower_keeps_drafting():
+    target = make_target("llama")
+    drafter = make_drafter(target)
+    ids = prompt(4, 7)
+    ref = target.generate(ids, do_sample=False, max_new_tokens=40)
+    guard = CallGuard(window=2, probes=1, margin=float("inf"))
+    out = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=40, tree_guard=guard,
+                          return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    assert len(guard.probe_rounds) == 1 and len(guard.rounds) == len(out.rounds) - 1
+    assert sum(r.tree_size == 0 for r in out.rounds) == 1  # the probe alone verified the root only
+
+
+def test_no_guard_where_scores_are_returned():
+    target = make_target("llama")
+    drafter = make_drafter(target)
+    ids = prompt(6, 7)
+    guard = always_slower()
+    out = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=30, tree_guard=guard,
+                          return_dict_in_generate=True, output_scores=True)
+    assert not guard.rounds and all(r.tree_size > 0 for r in out.rounds)
+    assert len(out.scores) == out.sequences.shape[1] - ids.shape[1]
