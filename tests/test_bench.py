@@ -44,8 +44,9 @@ def test_smoke_run_covers_every_suite_and_method_and_checks_exactness(tmp_path):
             rates = row["acceptance_by_depth"]
             assert all(a >= b for a, b in zip(rates, rates[1:], strict=False))
     table = (out / "results.md").read_text()
-    assert ("| suite | method | acceptance length | tokens/s | speedup vs plain | vs prompt lookup | exact | new tokens "
-            "from lookup | new tokens from datastore | time in drafter passes | time in datastore lookups |") in table
+    assert ("| suite | method | acceptance length | tokens/s | speedup vs plain | vs prompt lookup | exact | "
+            "new tokens from lookup | new tokens from datastore | time in drafter passes | time in datastore lookups |"
+            ) in table
     lookup_row = next(line for line in table.splitlines() if line.startswith("| HumanEval | prompt lookup |"))
     assert "| 1.00x |" in lookup_row  # each method against prompt lookup on its suite
     for (suite, method), row in rows.items():  # each drafter method's time in drafter passes and datastore lookups
