@@ -94,7 +94,7 @@ def treespark_decoding(
     tree_datastore=None,
     tree_record: bool = False,
     tree_timer=None,
-    tree_guard=True,
+    tree_guard=False,
     **model_kwargs,
 ):
     """The TreeSpark decoding loop (a transformers `custom_generate` callable).
@@ -105,8 +105,8 @@ def treespark_decoding(
     `inputs_embeds` are refused (`check_arguments`). `tree_record=True` stores each round's tree in its record;
     `tree_gate`: the drafter gate's threshold with lookup on (`resolve_gate`).
     `tree_timer` (an `engine.PhaseTimer`) sums the wall time of each round phase (`treespark bench --profile`).
-    `tree_guard` (batch size 1): a call whose rounds commit tokens more slowly than plain steps hands the rest of
-    the call to transformers' own loop (`call_guard.py`; False turns it off; not with scores, logits or padding).
+    `tree_guard` (batch size 1, off by default): True hands a call whose rounds commit tokens more slowly than plain
+    steps to transformers' own loop for the rest of the call (`call_guard.py`; not with scores, logits or padding).
     One target forward per round: nothing is measured here (`tree_budget="auto"` reads the latency
     that `hf_treespark.budget.calibrate_latency` stored, or falls back to a default budget).
     """

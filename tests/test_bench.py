@@ -24,8 +24,8 @@ def test_smoke_run_covers_every_suite_and_method_and_checks_exactness(tmp_path):
     report = json.loads((out / "results.json").read_text())
     assert report["config"]["dtype"] == "float32" and report["config"]["tree_budget"] == 8
     rows = {(r["suite"], r["method"]): r for r in report["results"]}
-    methods = bench.DEFAULT_METHODS + ("baseline_chain", "baseline_datastore")  # all but the unguarded defaults
-    assert set(bench.METHODS) - set(methods) == {"treespark_unguarded"}
+    methods = bench.DEFAULT_METHODS + ("baseline_chain", "baseline_datastore")  # all but the guarded defaults
+    assert set(bench.METHODS) - set(methods) == {"treespark_guarded"}
     assert set(rows) == {(s, m) for s in bench.SUITES for m in methods}
     for (suite, method), row in rows.items():
         assert row["prompts"] == 1 and row["exact"] == 1, (suite, method)

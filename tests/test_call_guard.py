@@ -6,7 +6,7 @@ import torch
 from conftest import make_drafter, make_target
 from test_generation import RecordingStreamer, prompt
 
-from hf_treespark.call_guard import CallGuard, resolve_guard
+from hf_treespark.call_guard import GUARD_PROBES, GUARD_WINDOW, CallGuard, resolve_guard
 
 
 def test_the_guard_probes_after_a_window_and_hands_off_only_when_rounds_are_slower_per_token():
@@ -24,10 +24,13 @@ def test_the_guard_probes_after_a_window_and_hands_off_only_when_rounds_are_slow
 
     fast = CallGuard(window=3, probes=1, margin=0.05)
     for _ in range(3):
-        fast.observe(0.20, 3, probe=False)
+        fast.observe(0.20, 4, probe=False)
     fast.observe(0.10, 1, probe=True)
-    assert not fast.should_hand_off  # 0.067 s per token against 0.10
-    for _ in range(3):  # the last window turns slow: judged on the recent rounds
+    assert not fast.should_hand_off  # 0.05 s per token against 0.10
+    for _ in range(2):  # a slow stretch, but the call so far is faster than plain: 1.2 s for 14 tokens
+        fast.observe(0.30, 1, probe=False)
+    assert not fast.should_hand_off
+    for _ in range(3):  # the call as a whole turns slower than plain: 2.1 s for 17 tokens
         fast.observe(0.30, 1, probe=False)
     assert fast.should_hand_off
 
@@ -110,3 +113,16 @@ def test_no_guard_where_scores_are_returned():
                           return_dict_in_generate=True, output_scores=True)
     assert not guard.rounds and all(r.tree_size > 0 for r in out.rounds)
     assert len(out.scores) == out.sequences.shape[1] - ids.shape[1]
+
+
+def test_the_guard_is_off_unless_asked_for():
+    target = make_target("llama")
+    drafter = make_drafter(target)
+    ids = prompt(7, 7)
+    out = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=40,
+                          return_dict_in_generate=True)
+    assert len(out.rounds) > GUARD_WINDOW + GUARD_PROBES and all(r.tree_size > 0 for r in out.rounds)  # no probe
+    on = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=40, tree_guard=True,
+                         return_dict_in_generate=True)
+    assert torch.equal(on.sequences, out.sequences)
+    assert on.rounds[GUARD_WINDOW].tree_size == 0  # the first probe
