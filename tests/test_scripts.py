@@ -249,3 +249,16 @@ def test_compiled_plain_refuses_bad_arguments_before_loading(tmp_path, case):
         "mode": (["--compile-mode", "fast"], ["--compile-mode", "'fast'"]),
     }[case]
     assert_refused(run_script(tmp_path, "compiled_plain.py", *args), *expected)
+
+
+@pytest.mark.parametrize("case", ["steps 0", "lr", "no own responses", "no dev positions"])
+def test_distil_compare_sources_refuses_bad_arguments_before_loading(tmp_path, case):
+    own, dev = write(tmp_path / "own.jsonl", REFERENCE), tmp_path / "dev"
+    dev.mkdir()
+    args, expected = {
+        "steps 0": (["100", "0", "1e-3", own, dev], ["steps", ">= 1"]),
+        "lr": (["100", "10", "5", own, dev], ["lr", "between 0 and 1"]),
+        "no own responses": (["100", "10", "1e-3", tmp_path / "none.jsonl", dev], ["none.jsonl", "no such file"]),
+        "no dev positions": (["100", "10", "1e-3", own, tmp_path / "nodev"], ["nodev", "no such file"]),
+    }[case]
+    assert_refused(run_script(tmp_path, "distil_compare_sources.py", *args), *expected)
