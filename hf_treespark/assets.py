@@ -245,9 +245,7 @@ def chat_inputs(tokenizer, prompt: str) -> dict:
         prompt.encode("utf-8")
     except UnicodeEncodeError:  # lone surrogates: bytes that were not UTF-8, e.g. from a command line
         raise ValueError(f"the prompt {prompt[:40]!r} is not valid UTF-8 text: give it as UTF-8") from None
-    return tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-    )
+    return conversation_inputs(tokenizer, [{"role": "user", "content": prompt}])
 
 
 def conversation_inputs(tokenizer, messages: list[dict[str, str]]) -> dict:

@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 GUARD_WINDOW = 8  # TreeSpark rounds before the probes and the first judgement
 GUARD_PROBES = 2  # root-only rounds that measure the plain pace
 GUARD_MARGIN = 0.05  # TreeSpark must be this much slower per token than the probes to hand off
@@ -98,8 +100,6 @@ def resolve_guard(tree_guard, guardable: bool) -> CallGuard | None:
 def hand_off(model, session, ids, logits_processor, stopping_criteria, generation_config, streamer):
     """The rest of the call in transformers' own loop, from the session's cache (every committed token but the last,
     as plain decoding holds it); returns the whole sequence `[1, T]`. The streamer gets the new tokens and its end."""
-    import torch
-
     out = type(model)._sample(model, ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
                               generation_config=generation_config, synced_gpus=False, streamer=streamer,
                               attention_mask=torch.ones_like(ids), use_cache=True,

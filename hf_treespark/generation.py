@@ -158,7 +158,8 @@ def treespark_decoding(
             handed_off = True
             break
         probe = guard is not None and guard.probing
-        session.planner.max_nodes = 0 if probe else None  # a probe verifies the root alone: a plain step
+        if guard is not None:
+            session.planner.max_nodes = 0 if probe else None  # a probe verifies the root alone: a plain step
         began = time.perf_counter()
         with session.timer("round") if session.timer is not None else nullcontext():
             rnd = session.step(ids)
