@@ -213,7 +213,8 @@ class BatchedSession:
             stops = [self.planners[i].stop_budget(plans[i]) for i in drafted]
             stop = None if self.choose_budget is not None or None in stops else max(stops)
             pool = expand_tree(depth_logits[drafted], self.drafter.markov_bias, anchors[drafted], self.policy,
-                               self.drafter.draft_vocab_ids, stop_budget=stop)
+                               self.drafter.draft_vocab_ids, stop_budget=stop,
+                               markov_rows=self.drafter.markov_bias_rows)
             if self.choose_budget is not None:  # "auto" without a profile: chosen on the first drafter pool
                 self.set_budget(self.choose_budget(pool.scores))
                 self.choose_budget = None

@@ -278,7 +278,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-dir", default="bench_results")
     parser.add_argument("--profile", action="store_true",
                         help="instead of the comparison: what each phase of a TreeSpark round costs, in ms and in "
-                             "plain decoding steps, for the chosen auto budget and N = 4, 8, 16 (profile.md/json)")
+                             "plain decoding steps, for the chosen auto budget and N = 4, 8, 16 (profile.md/json); "
+                             "with --batch-size B (one size), on batches of B rows")
     parser.add_argument("--batch-size", metavar="B[,B...]", type=batch_sizes,
                         help="instead of the comparison: tokens/s of all rows, TreeSpark against plain batched "
                              "generate, for these batch sizes (1-256, e.g. 1,2,4,8,16; batch.md/json); suites as "
@@ -310,6 +311,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     if needs_target and (args.batch_size or args.profile):
         raise ValueError(f"--suites {','.join(needs_target)}: its prompts hold the target's own earlier answers, which "
                          f"{'--batch-size' if args.batch_size else '--profile'} does not make; run it without")
+    if args.profile and args.batch_size and len(args.batch_size) != 1:
+        raise ValueError(f"--profile profiles one batch size; got --batch-size {','.join(map(str, args.batch_size))}")
     if args.budget != "auto" and not (args.budget.isdigit() and int(args.budget) > 0):
         raise ValueError(f"--budget {args.budget!r}: expected a positive integer or 'auto'")
     budget = args.budget if args.budget == "auto" else int(args.budget)

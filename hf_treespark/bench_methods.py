@@ -2,9 +2,10 @@
 
 A method is a name, a label for the tables and the `generate` kwargs that make it (plain greedy, transformers'
 prompt lookup, a DSpark drafter in chain mode, a DSpark-trained drafter in tree mode, the TreeSpark drafter in chain
-and tree mode, with lookup and the datastore, and a baseline TreeSpark drafter beside it). Every method but
-`treespark_guarded` runs without the per-call guard (`tree_guard`, off by default), so a hand-off to plain decoding
-never hides what they compare. They live apart from the
+and tree mode, with lookup and the datastore, and a baseline TreeSpark drafter beside it). The defaults
+(`treespark_datastore`, and `baseline_datastore` for another drafter) run with the per-call guard (`tree_guard`, on by
+default), as a user's call does; `treespark_unguarded` is the defaults without it (what the guard costs or saves);
+every ablation runs without it, so a hand-off to plain decoding never hides what they compare. They live apart from the
 run so that the report (tables, one colour per method in the plots) can name them without importing the run.
 """
 
@@ -44,9 +45,9 @@ METHODS = {
                {"tree_lookup": LOOKUP_TOKENS, "tree_datastore": False, "tree_guard": False}),
         Method("treespark_datastore", "TreeSpark + lookup + datastore", "treespark",
                {"tree_lookup": LOOKUP_TOKENS, "tree_datastore": True}),
-        # the defaults with the per-call guard (`tree_guard=True`, off by default): what it costs or saves
-        Method("treespark_guarded", "TreeSpark + lookup + datastore + guard", "treespark",
-               {"tree_lookup": LOOKUP_TOKENS, "tree_datastore": True, "tree_guard": True}),
+        # the defaults without the per-call guard (`tree_guard`, on by default): what the guard costs or saves
+        Method("treespark_unguarded", "TreeSpark + lookup + datastore, no guard", "treespark",
+               {"tree_lookup": LOOKUP_TOKENS, "tree_datastore": True, "tree_guard": False}),
         # another TreeSpark drafter (`--drafter baseline=PATH`, e.g. the one a new drafter replaces), side by side
         Method("baseline_chain", "baseline drafter, chain", "baseline",
                {"tree_chain": True, "tree_lookup": 0, "tree_datastore": False, "tree_guard": False}),
@@ -56,9 +57,9 @@ METHODS = {
 }
 ROLES = ("treespark", "dspark", "dspark_tree", "baseline")
 # run by default (the baseline's methods join them when a baseline drafter is given)
-DEFAULT_METHODS = tuple(m for m in METHODS if METHODS[m].drafter != "baseline" and m != "treespark_guarded")
+DEFAULT_METHODS = tuple(m for m in METHODS if METHODS[m].drafter != "baseline" and m != "treespark_unguarded")
 # these share one tree budget
-TREE_METHODS = ("dspark_tree", "treespark", "treespark_lookup", "treespark_datastore", "treespark_guarded",
+TREE_METHODS = ("dspark_tree", "treespark", "treespark_lookup", "treespark_datastore", "treespark_unguarded",
                 "baseline_datastore")
 
 

@@ -3,8 +3,9 @@ in plain decoding steps.
 
 Speed is acceptance length over a round's cost in plain steps; the comparison measures the first, this measures the
 second, phase by phase (draft, tree, datastore, verify, walk, commit, the rest of the loop), for the "auto" budget
-and N = 4, 8, 16, against plain greedy on the same prompts in the same run. It is where a slower machine or a
-costlier phase shows before it shows as a lost speedup. Writes `profile.json` and `profile.md`.
+and N = 4, 8, 16, against plain greedy on the same prompts in the same run, at batch size 1 or (`--batch-size B`)
+on left-padded batches of `B` rows against plain batched `generate`. It is where a slower machine or a costlier
+phase shows before it shows as a lost speedup. Writes `profile.json` and `profile.md`.
 """
 
 from __future__ import annotations
@@ -29,9 +30,19 @@ def _timed_generate(target, inputs: dict, **kwargs):
     return out, time.perf_counter() - start
 
 
+def batched(prompts: list[dict], rows: int, pad_token_id: int) -> list[dict]:
+    """Batch-1 inputs as left-padded batches of `rows` (the last may be smaller)."""
+    from .batch import left_padded
+
+    return [left_padded([p["input_ids"][0] for p in prompts[i:i + rows]], pad_token_id)
+            for i in range(0, len(prompts), rows)]
+
+
 def profile_rounds(target, drafter, prompts: list[dict], budgets=PROFILE_BUDGETS, max_new_tokens: int = 64,
                    progress: bool = True) -> dict:
     """What a round costs, phase by phase, against one plain decoding step, measured in one run.
+
+    `prompts` may be batches (`batched`): a round and a plain step then serve every row.
 
     For each prompt (interleaved): plain greedy `generate` for 1 and for `max_new_tokens` tokens, whose
     difference per token is the plain step; then TreeSpark `generate` at each budget (`"auto"` is
@@ -60,7 +71,8 @@ def profile_rounds(target, drafter, prompts: list[dict], budgets=PROFILE_BUDGETS
             result, _ = _timed_generate(target, inputs, assistant_model=drafter, max_new_tokens=max_new_tokens,
                                         tree_budget=n, tree_timer=timers[label], tree_guard=False,
                                         return_dict_in_generate=True)
-            committed[label] += sum(len(r.committed) for r in result.rounds)
+            rows = result.rounds if inputs["input_ids"].shape[0] > 1 else [result.rounds]  # a batch: per row
+            committed[label] += sum(len(r.committed) for row in rows for r in row) / len(rows)
     plain_ms = 1000 * plain_seconds / max(plain_steps, 1)
     rows = []
     for label, n in budgets:
@@ -72,15 +84,18 @@ def profile_rounds(target, drafter, prompts: list[dict], budgets=PROFILE_BUDGETS
         rows.append({"budget": label, "N": n, "rounds": timer.rounds, "ms": per_round, "round_ms": round_ms,
                      "round_in_plain_steps": round_ms / plain_ms, "acceptance_length": acceptance,
                      "implied_speedup": acceptance * plain_ms / round_ms})
-    return {"plain_step_ms": plain_ms, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "budgets": rows}
+    return {"plain_step_ms": plain_ms, "prompts": sum(p["input_ids"].shape[0] for p in prompts),
+            "rows": prompts[0]["input_ids"].shape[0], "max_new_tokens": max_new_tokens, "budgets": rows}
 
 
 def profile_table(profile: dict) -> str:
     """The round-cost table in markdown."""
     head = ("| budget | " + " | ".join(f"{p} ms" for p in (*PROFILE_PHASES, "other"))
             + " | round ms | round / plain step | acceptance length | implied speedup |")
-    lines = [f"Plain decoding step: {profile['plain_step_ms']:.1f} ms ({profile['prompts']} prompts, "
-             f"{profile['max_new_tokens']} new tokens).", "", head, "|" + "---|" * (head.count("|") - 1)]
+    batch = f"batches of {profile['rows']} rows, " if profile.get("rows", 1) > 1 else ""
+    lines = [f"Plain decoding step: {profile['plain_step_ms']:.1f} ms ({profile['prompts']} prompts, {batch}"
+             f"{profile['max_new_tokens']} new tokens; acceptance length per row).", "", head,
+             "|" + "---|" * (head.count("|") - 1)]
     for row in profile["budgets"]:
         label = f"auto (N={row['N']})" if row["budget"] == "auto" else f"N={row['N']}"
         cells = [f"{row['ms'][p]:.1f}" for p in (*PROFILE_PHASES, "other")]
@@ -102,6 +117,10 @@ def run_profile(args, target, tokenizer, drafters: dict, suites: list[str]) -> i
     drafter = drafters["treespark"]
     ensure_latency(target, drafter)
     prompts = [inputs for suite in suites for inputs in suite_inputs(tokenizer, suite, args.num_prompts)]
+    rows = args.batch_size[0] if args.batch_size else 1
+    if rows > 1:
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        prompts = batched(prompts, rows, pad)
     profile = profile_rounds(target, drafter, prompts, max_new_tokens=args.max_new_tokens)
     profile["config"] = {"dtype": dtype_name(target.dtype), "machine": f"{platform.machine()}, "
                          f"{torch.get_num_threads()} torch threads", "suites": suites,

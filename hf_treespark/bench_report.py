@@ -21,7 +21,7 @@ from .bench_suites import SUITE_LABELS
 PAIRS = (("dspark_tree", "dspark"), ("treespark", "dspark_tree"), ("treespark", "treespark_chain"),
          ("treespark_lookup", "treespark"), ("treespark_datastore", "treespark_lookup"),
          ("treespark_chain", "baseline_chain"), ("treespark_datastore", "baseline_datastore"),
-         ("treespark_guarded", "treespark_datastore"))
+         ("treespark_datastore", "treespark_unguarded"))
 
 
 def paired_differences(report: dict) -> list[dict]:
@@ -52,8 +52,8 @@ def cell(value, spec: str = ".2f") -> str:
 
 
 # the methods that can have such tokens
-SHARE_COLUMNS = {"lookup_accepted": ("treespark_lookup", "treespark_datastore", "treespark_guarded"),
-                 "datastore_accepted": ("treespark_datastore", "treespark_guarded")}
+SHARE_COLUMNS = {"lookup_accepted": ("treespark_lookup", "treespark_datastore", "treespark_unguarded"),
+                 "datastore_accepted": ("treespark_datastore", "treespark_unguarded")}
 
 
 def _share(row: dict, key: str) -> str:

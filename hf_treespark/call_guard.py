@@ -1,28 +1,29 @@
 """The per-call guard: a `generate` call at batch size 1 whose TreeSpark rounds commit tokens more slowly than
-plain steps would is handed to transformers' own loop for the rest of the call.
+plain steps would is handed to transformers' own loop for the rest of the call. On by default (`tree_guard=True`).
 
 TreeSpark pays when a round's accepted tokens outweigh its cost (a drafter pass, a tree, a verify forward of
 `N + 1` tokens): on most text by far, but not on every prompt, every device or every drafter. The budget, the
 drafter gate and lookup-only rounds choose what a round verifies; this guard asks one question more, with the
-clock, once the call has had time to show its pace: are the rounds faster per committed token than plain steps?
+clock: are the rounds faster per committed token than plain steps, here and now?
 
     measure   the wall time and committed tokens of every round (the whole loop iteration: draft, verify, walk,
-              commit, stopping criteria, streaming)
-    probe     after `GUARD_WINDOW` rounds, `GUARD_PROBES` rounds verify the root alone: a plain step through the same
-              loop (one target forward of one token, nothing drafted), whose seconds per token are the plain pace
-    judge     after every later round, the seconds per committed token of all the call's TreeSpark rounds so far
-              against the plain pace; slower by more than `GUARD_MARGIN` (noise on a shared CPU) hands off
+              commit, stopping criteria, streaming); the call's first `GUARD_SKIP` rounds are not judged (the first
+              one chooses an "auto" budget from the whole candidate pool, and warms the caches)
+    probe     after a stretch of `GUARD_WINDOW` judged rounds, `GUARD_PROBES` rounds verify the root alone: a plain
+              step through the same loop (one target forward of one token, nothing drafted), whose seconds per token
+              are the plain pace of that moment
+    judge     the stretch's seconds per committed token against its probes' (the same minute of a shared machine)
+    confirm   a stretch slower by more than `GUARD_MARGIN` is judged again on a fresh stretch and fresh probes; the call
+              is handed off only when `GUARD_CHECKS` judgements in a row find the rounds slower. A stretch that is
+              faster puts the next check `GUARD_RECHECK` times as many rounds away (a long call is checked again)
 
-The judgement is on the whole call so far, not on its recent rounds: text has stretches where little is accepted,
-and a hand-off is for good. Judged on the last 8 rounds instead, the guard handed off on most bench prompts and
-cost 10-20% of the defaults' speed (10 prompts per suite, six suites, bf16, 2026-12-03: 1.52x / 1.74x / 1.98x
-plain on MT-Bench / HumanEval / ShareGPT against 1.66x / 1.98x / 1.96x unguarded).
-
-It is off by default (`tree_guard=True` turns it on): judged on the whole call it was level with the unguarded
-defaults on HumanEval and the copy suite but still handed off on math prompts where the defaults ran at 1.8x plain
-(8 prompts per suite, same machine and day: 2.00x / 2.40x / 1.48x against 2.01x / 2.43x / 1.80x; on MT-Bench 1.55x
-against 1.26x, a run where plain's own pace moved by a third). The probes and the first rounds, from which the first
-judgement is made, are too few to tell a slow call from a slow start.
+Why this shape, measured (bf16, 2-core AMD EPYC, 2026-12-03): judged on the last 8 rounds, the guard handed off on
+most bench prompts and cost 10-20% of the defaults' speed (10 prompts per suite, six suites: 1.52x / 1.74x / 1.98x
+plain on MT-Bench / HumanEval / ShareGPT against 1.66x / 1.98x / 1.96x unguarded). Judged once on the whole call
+against two probes, it still handed some math prompts off where the defaults ran at 1.8x plain (8 prompts: 1.48x
+against 1.80x): two probes at one moment against rounds spread over the call compare two moments of a noisy machine,
+not two methods. Judging a stretch against the probes right after it, and handing off only on a second such
+judgement, leaves a slow moment no way to end a fast call.
 
 A probe is not lost work: it commits its token, as plain decoding would. It costs what the rounds it replaces would
 have gained, about one percent of a 128-token call where TreeSpark runs at twice plain. A probe round carries this
@@ -35,59 +36,74 @@ output is what plain decoding gives: exact in greedy, distributed as the target 
 
 from __future__ import annotations
 
-import time
-
 import torch
 
-GUARD_WINDOW = 8  # TreeSpark rounds before the probes and the first judgement
+GUARD_SKIP = 1  # the call's first rounds, never judged
+GUARD_WINDOW = 8  # judged TreeSpark rounds before the probes
 GUARD_PROBES = 2  # root-only rounds that measure the plain pace
-GUARD_MARGIN = 0.05  # TreeSpark must be this much slower per token than the probes to hand off
+GUARD_MARGIN = 0.05  # TreeSpark must be this much slower per token than the probes to count as slower
+GUARD_CHECKS = 2  # judgements in a row that must find the rounds slower before the call is handed off
+GUARD_RECHECK = 8  # after a stretch found faster, the next one is this many times as long
+
+
+def _pace(rounds: list[tuple[float, int]]) -> float | None:
+    """Seconds per committed token over `rounds` (None when empty)."""
+    return sum(s for s, _ in rounds) / sum(n for _, n in rounds) if rounds else None
 
 
 class CallGuard:
     """The guard's state for one call. The loop asks `probing` before each round (True: verify the root alone),
-    reports each round with `observe(seconds, tokens)`, and hands off once `should_hand_off` is True.
+    reports each round with `observe(seconds, tokens, probe)`, and hands off once `should_hand_off` is True.
 
-    `clock` is the time source (`time.perf_counter`; tests pass their own)."""
+    `rounds` and `probe_rounds` keep every `(seconds, tokens)` observed; `judgements` every `(seconds per token of
+    the stretch, of its probes)` judged so far."""
 
     def __init__(self, window: int = GUARD_WINDOW, probes: int = GUARD_PROBES, margin: float = GUARD_MARGIN,
-                 clock=time.perf_counter):
-        self.window, self.probes, self.margin, self.clock = window, probes, margin, clock
+                 checks: int = GUARD_CHECKS, skip: int = GUARD_SKIP, recheck: int = GUARD_RECHECK):
+        self.window, self.probes, self.margin, self.checks, self.skip, self.recheck = (
+            window, probes, margin, checks, skip, recheck)
         self.rounds: list[tuple[float, int]] = []  # (seconds, tokens) of TreeSpark rounds
         self.probe_rounds: list[tuple[float, int]] = []  # (seconds, tokens) of root-only rounds
-        self.handed_off = False
+        self.judgements: list[tuple[float, float]] = []
+        self._stretch: list[tuple[float, int]] = []  # judged rounds since the last judgement
+        self._stretch_probes: list[tuple[float, int]] = []
+        self._stretch_length = window  # judged rounds before the next probes
+        self._slower = 0  # judgements in a row that found the rounds slower
 
     @property
     def probing(self) -> bool:
         """Whether the next round is a probe (the root alone)."""
-        return len(self.rounds) >= self.window and len(self.probe_rounds) < self.probes
+        return (not self.should_hand_off and len(self._stretch) >= self._stretch_length
+                and len(self._stretch_probes) < self.probes)
 
     def observe(self, seconds: float, tokens: int, probe: bool) -> None:
         """A round of `seconds` that committed `tokens` (a probe if `probe`)."""
-        (self.probe_rounds if probe else self.rounds).append((seconds, max(tokens, 1)))
+        entry = (seconds, max(tokens, 1))
+        if probe:
+            self.probe_rounds.append(entry)
+            self._stretch_probes.append(entry)
+            if len(self._stretch_probes) >= self.probes:
+                self._judge()
+            return
+        self.rounds.append(entry)
+        if len(self.rounds) > self.skip:
+            self._stretch.append(entry)
 
-    @property
-    def plain_seconds_per_token(self) -> float | None:
-        """The plain pace the probes measured (None before they ran)."""
-        if len(self.probe_rounds) < self.probes or not self.probe_rounds:
-            return None
-        return sum(s for s, _ in self.probe_rounds) / sum(n for _, n in self.probe_rounds)
-
-    @property
-    def seconds_per_token(self) -> float | None:
-        """The pace of all the call's TreeSpark rounds so far (None before there are `window` of them)."""
-        if len(self.rounds) < self.window:
-            return None
-        return sum(s for s, _ in self.rounds) / sum(n for _, n in self.rounds)
+    def _judge(self) -> None:
+        ours, plain = _pace(self._stretch), _pace(self._stretch_probes)
+        self.judgements.append((ours, plain))
+        slower = ours > plain * (1 + self.margin)
+        self._slower = self._slower + 1 if slower else 0
+        self._stretch_length = self.window if slower else len(self._stretch) * self.recheck
+        self._stretch, self._stretch_probes = [], []
 
     @property
     def should_hand_off(self) -> bool:
-        plain, ours = self.plain_seconds_per_token, self.seconds_per_token
-        return plain is not None and ours is not None and ours > plain * (1 + self.margin)
+        return self._slower >= self.checks
 
 
 def resolve_guard(tree_guard, guardable: bool) -> CallGuard | None:
-    """`tree_guard` (True, False (the default), or a `CallGuard`) as the call's guard; None where the call cannot hand
+    """`tree_guard` (True (the default), False, or a `CallGuard`) as the call's guard; None where the call cannot hand
     off (`guardable` False: scores or logits are returned, or the prompt is left-padded)."""
     if isinstance(tree_guard, CallGuard):
         return tree_guard if guardable else None

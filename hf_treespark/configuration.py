@@ -47,6 +47,9 @@ class TreeSparkConfig(PretrainedConfig):
         tree_datastore: graft the drafter's datastore branches (continuations of the text's suffix in the
             target's earlier outputs, `hf_treespark.datastore`) into each round's tree, where the drafter
             carries a datastore (`datastore.safetensors` beside its weights).
+        tree_shortlist: at inference, each depth's children are chosen among its `tree_shortlist` most likely
+            draft-vocabulary entries before the parent's Markov correction, which is then computed for those rows
+            of `W2` only (`hf_treespark.tree.expand_tree`); 0 = among all. Exactness does not depend on it.
         datastore_grow_tokens: how many tokens of this process's own outputs `generate` adds to the
             drafter's datastore (the most recent ones; 0 = none, the store stays as shipped).
         draft_vocab_size: size `|S|` of the draft vocabulary, the target-vocabulary subset the drafter
@@ -99,6 +102,7 @@ class TreeSparkConfig(PretrainedConfig):
         batch_acceptance_profile: dict[str, float] | None = None,
         tree_lookup: int = 0,
         tree_datastore: bool = True,
+        tree_shortlist: int = 0,
         datastore_grow_tokens: int = 0,
         draft_vocab_size: int | None = None,
         anchor_features: bool = False,
@@ -135,6 +139,7 @@ class TreeSparkConfig(PretrainedConfig):
         self.batch_acceptance_profile = _acceptance_profile(batch_acceptance_profile, "batch_acceptance_profile")
         self.tree_lookup = tree_lookup
         self.tree_datastore = tree_datastore
+        self.tree_shortlist = tree_shortlist
         self.datastore_grow_tokens = datastore_grow_tokens
         self.draft_vocab_size = draft_vocab_size
         self.anchor_features = bool(anchor_features)
@@ -179,6 +184,9 @@ class TreeSparkConfig(PretrainedConfig):
         need(isinstance(self.tree_lookup, int) and not isinstance(self.tree_lookup, bool) and self.tree_lookup >= 0,
              "tree_lookup", "must be an integer >= 0 (tokens per lookup branch; 0 = off)")
         need(isinstance(self.tree_datastore, bool), "tree_datastore", "must be true or false")
+        need(isinstance(self.tree_shortlist, int) and not isinstance(self.tree_shortlist, bool)
+             and self.tree_shortlist >= 0, "tree_shortlist",
+             "must be an integer >= 0 (draft-vocabulary entries each depth chooses from; 0 = all)")
         need(isinstance(self.depth1_head, int) and not isinstance(self.depth1_head, bool) and self.depth1_head >= 0,
              "depth1_head", "must be an integer >= 0 (the width of the depth-1 head's MLP; 0 = none)")
         need(isinstance(self.datastore_grow_tokens, int) and not isinstance(self.datastore_grow_tokens, bool)

@@ -108,7 +108,8 @@ def draft_pool(drafter, policy: TreePolicy, anchor: torch.Tensor, position: int,
     """The draft step: `drafter_pass`, then the tree policy's candidate pool (`tree.expand_tree`;
     `stop_budget`: its early stop)."""
     depth_logits = drafter_pass(drafter, policy, anchor, position, new_features, context_cache)
-    return expand_tree(depth_logits, drafter.markov_bias, anchor, policy, drafter.draft_vocab_ids, stop_budget)
+    return expand_tree(depth_logits, drafter.markov_bias, anchor, policy, drafter.draft_vocab_ids, stop_budget,
+                       drafter.markov_bias_rows)
 
 
 def _max_depth(pool: Candidates, depth: int) -> int:
@@ -332,7 +333,8 @@ class TreeSparkSession:
         self.pending = None
         with self._phase("tree"):
             pool = expand_tree(depth_logits, self.drafter.markov_bias, plan.x0, self.policy,
-                               self.drafter.draft_vocab_ids, stop_budget=self.planner.stop_budget(plan))
+                               self.drafter.draft_vocab_ids, stop_budget=self.planner.stop_budget(plan),
+                               markov_rows=self.drafter.markov_bias_rows)
             if self.policy.auto:  # chosen on the drafter's own pool: the budget is the drafter's
                 if self.choose_budget is None:
                     raise ValueError("an 'auto' tree budget needs choose_budget (see hf_treespark.budget)")

@@ -94,7 +94,7 @@ def treespark_decoding(
     tree_datastore=None,
     tree_record: bool = False,
     tree_timer=None,
-    tree_guard=False,
+    tree_guard=True,
     **model_kwargs,
 ):
     """The TreeSpark decoding loop (a transformers `custom_generate` callable).
@@ -105,10 +105,11 @@ def treespark_decoding(
     `inputs_embeds` are refused (`check_arguments`). `tree_record=True` stores each round's tree in its record;
     `tree_gate`: the drafter gate's threshold with lookup on (`resolve_gate`).
     `tree_timer` (an `engine.PhaseTimer`) sums the wall time of each round phase (`treespark bench --profile`).
-    `tree_guard` (batch size 1, off by default): True hands a call whose rounds commit tokens more slowly than plain
-    steps to transformers' own loop for the rest of the call (`call_guard.py`; not with scores, logits or padding).
-    One target forward per round: nothing is measured here (`tree_budget="auto"` reads the latency
-    that `hf_treespark.budget.calibrate_latency` stored, or falls back to a default budget).
+    `tree_guard` (batch size 1, on by default): a call whose rounds commit tokens more slowly than plain steps, judged
+    twice in a row against root-only probe rounds, goes on in transformers' own loop (`call_guard.py`; not with
+    scores, logits or padding); False drafts to the end. One target forward per round: no latency is measured
+    here (`tree_budget="auto"` reads the latency that `hf_treespark.budget.calibrate_latency` stored, or falls
+    back to a default budget).
     """
     drafter = treespark_drafter
     check_arguments(generation_config, model_kwargs)
@@ -184,17 +185,17 @@ def treespark_decoding(
     session.cache.crop(ids.shape[1] - 1 - num_pad - session.cache.get_seq_length())  # (minus the entries to drop)
     if not generation_config.return_dict_in_generate:
         return ids
+    return _output(ids, scores if want_scores else None, raw_logits if want_logits else None, rounds, session,
+                   generation_config.use_cache)
+
+
+def _output(ids, scores, raw_logits, rounds, session, use_cache: bool) -> TreeSparkGenerateOutput:
+    """`return_dict_in_generate`'s output of a batch-1 call (`scores`/`raw_logits` None where not asked for)."""
     mean, by_depth = acceptance_stats(rounds, session.policy.depth)
-    return TreeSparkGenerateOutput(
-        sequences=ids,
-        scores=tuple(scores) if want_scores else None,
-        logits=tuple(raw_logits) if want_logits else None,
-        rounds=rounds,
-        acceptance_length=mean,
-        acceptance_by_depth=by_depth,
-        tree_budget=session.policy.budget,
-        cache=session.cache if generation_config.use_cache else None,
-    )
+    return TreeSparkGenerateOutput(sequences=ids, scores=None if scores is None else tuple(scores),
+                                   logits=None if raw_logits is None else tuple(raw_logits), rounds=rounds,
+                                   acceptance_length=mean, acceptance_by_depth=by_depth,
+                                   tree_budget=session.policy.budget, cache=session.cache if use_cache else None)
 
 
 class TreeSparkCandidateGenerator(CandidateGenerator):

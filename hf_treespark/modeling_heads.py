@@ -86,6 +86,12 @@ class DrafterHeads:
         """`W2(W1[y])` in float32: parent target ids `[...] -> [..., |S|]`."""
         return self.markov_head(parent_tokens).float()
 
+    def markov_bias_rows(self, parent_tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """`markov_bias` on some rows of `W2` only, in float32: parent target ids `[b, P]` and draft-vocabulary rows
+        `[b, M]` -> `[b, P, M]` (a tree's shortlist, `tree.expand_tree`: `M` rows read instead of `|S|`)."""
+        head = self.markov_head
+        return torch.matmul(head.markov_w1(parent_tokens), head.markov_w2.weight[rows].transpose(1, 2)).float()
+
     def confidence(self, hidden: torch.Tensor, parent_tokens: torch.Tensor) -> torch.Tensor:
         """`c_k(y) = sigmoid(w . [h_k ; W1[y]] + b)`: hidden [..., H], parent_tokens [...] -> [...] in (0, 1)."""
         return torch.sigmoid(self.confidence_logit(hidden, parent_tokens))

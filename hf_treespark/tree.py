@@ -41,6 +41,8 @@ class TreePolicy:
     `auto=True` (from `tree_budget="auto"`): `budget` is the candidate pool the device-specific
     choice is made from (`hf_treespark.budget`), and the decoding loop replaces it before verifying.
     `lookup`: tokens per lookup branch grafted into the pool (`lookup.py`; 0 = none).
+    `shortlist`: at inference, each depth's children are chosen among its `shortlist` best draft-vocabulary entries
+    by `U_d` alone (`expand_tree`; 0 = among all of them, as training replay always does).
     """
 
     topk: int = 4
@@ -49,6 +51,7 @@ class TreePolicy:
     depth: int = 7
     auto: bool = False
     lookup: int = 0
+    shortlist: int = 0
 
     @classmethod
     def chain(cls, depth: int) -> TreePolicy:
@@ -77,15 +80,17 @@ class TreePolicy:
         lookup = getattr(config, "tree_lookup", 0) if lookup is None else lookup
         lookup = 0 if lookup == 0 and not isinstance(lookup, bool) else as_positive_int(lookup, "tree_lookup")
         lookup = min(lookup, depth)  # a branch deeper than the tree could never be verified whole
+        shortlist = getattr(config, "tree_shortlist", 0)
         if chain:
-            return cls(topk=1, frontier=1, budget=depth if auto else min(budget, depth), depth=depth, lookup=lookup)
+            return cls(topk=1, frontier=1, budget=depth if auto else min(budget, depth), depth=depth, lookup=lookup,
+                       shortlist=shortlist)
         topk = as_positive_int(config.tree_topk if topk is None else topk, "tree_topk")
         frontier = as_positive_int(config.tree_frontier if frontier is None else frontier, "tree_frontier")
         if vocab_size is not None and topk > vocab_size:
             raise ValueError(f"tree_topk={topk} exceeds the drafter's vocabulary of {vocab_size} tokens; "
                              f"use at most {vocab_size} children per parent")
         policy = cls(topk=topk, frontier=frontier, budget=BUDGET_POOL if auto else budget, depth=depth, auto=auto,
-                     lookup=lookup)
+                     lookup=lookup, shortlist=shortlist)
         largest_pool = policy.with_budget(BUDGET_POOL * 1000).num_candidates + policy.max_lookup_nodes
         policy.budget = min(policy.budget, largest_pool)
         return policy
@@ -199,7 +204,8 @@ def build_tree(
 
 @torch.no_grad()
 def expand_tree(depth_logits, markov_bias, root_tokens: torch.Tensor, policy: TreePolicy,
-                vocab_ids: torch.Tensor | None = None, stop_budget: int | None = None) -> Candidates:
+                vocab_ids: torch.Tensor | None = None, stop_budget: int | None = None,
+                markov_rows: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> Candidates:
     """The candidate pool: frontier expansion over `policy.expanded_depth` depths (no packing yet).
 
     Scores: `score(n) = score(parent) + log p_d(token(n) | token(parent))`, with
@@ -208,27 +214,50 @@ def expand_tree(depth_logits, markov_bias, root_tokens: torch.Tensor, policy: Tr
     best nodes of each depth for expansion. Runs without gradient: choices are discrete.
     `depth_logits` may hold fewer than `policy.depth` slots when only the expanded depths were computed.
 
+    Shortlist (`policy.shortlist = M` with `markov_rows`, inference): each depth's children are chosen among the `M`
+    entries of largest `U_d`, so the Markov correction is computed for `M` rows of `W2`, not all `|S|`
+    (`markov_rows(parent_tokens [b, P], rows [b, M]) -> [b, P, M]`); the log-sum-exp adds the rest of the
+    vocabulary at `U_d` alone. The tree can differ from the full expansion only where the parent lifts a token from
+    outside the `M` into a parent's top `k`; verification is the same either way, so decoding stays exact.
+
     Early stop (`stop_budget=M`, inference): expansion ends after depth `d` once no frontier node
     scores above the `M`-th best candidate so far. Scores never increase along a path and ties go
     to the smaller depth, so no deeper candidate could be among the `M` best: `pack_tree` with any
     budget `<= M` packs exactly the tree of the full pool. Each depth skipped saves one Markov-head
-    product over `S` (the largest part of the tree's cost). Training replay expands every depth.
+    product (the largest part of the tree's cost). Training replay expands every depth.
     """
     b = root_tokens.shape[0]
     device = root_tokens.device
     k = policy.topk
+    depths_to_expand = policy.expanded_depth
+    shortlist = None
+    if markov_rows is not None and k <= policy.shortlist < depth_logits.shape[-1]:
+        u = depth_logits[:, :depths_to_expand].float()
+        short_z, short_rows = u.topk(policy.shortlist, dim=-1)  # [b, D', M]
+        every, kept = u.logsumexp(dim=-1), short_z.logsumexp(dim=-1)
+        rest = every + torch.log1p(-torch.exp(kept - every).clamp(max=1.0))  # the other entries, -inf if none
+        shortlist = (short_z, short_rows, rest)
     tokens, parents, depths, scores, expansions = [], [], [], [], []
     # Frontier of depth 0: the root.
     front_tok = root_tokens[:, None]  # [b, 1]
     front_score = torch.zeros(b, 1, device=device)
     front_cand = torch.full((b, 1), -1, dtype=torch.long, device=device)
     offset = 0
-    for d in range(1, policy.expanded_depth + 1):  # deeper candidates could never be packed
-        z = depth_logits[:, d - 1, None, :].float() + markov_bias(front_tok)  # [b, P, V]
-        top_z, top_tok = z.topk(k, dim=-1)  # [b, P, k] indices into the draft vocabulary
+    for d in range(1, depths_to_expand + 1):  # deeper candidates could never be packed
+        if shortlist is None:
+            z = depth_logits[:, d - 1, None, :].float() + markov_bias(front_tok)  # [b, P, V]
+            top_z, top_tok = z.topk(k, dim=-1)  # [b, P, k] indices into the draft vocabulary
+            log_norm = z.logsumexp(dim=-1, keepdim=True)
+        else:
+            short_z, short_rows, rest = shortlist
+            rows = short_rows[:, d - 1]  # [b, M]
+            z = short_z[:, d - 1, None, :] + markov_rows(front_tok, rows)  # [b, P, M]
+            top_z, top_at = z.topk(k, dim=-1)
+            top_tok = rows[:, None, :].expand(-1, z.shape[1], -1).gather(2, top_at)
+            log_norm = torch.logaddexp(z.logsumexp(dim=-1, keepdim=True), rest[:, d - 1, None, None])
         if vocab_ids is not None:
             top_tok = vocab_ids[top_tok]  # target ids
-        top_logp = top_z - z.logsumexp(dim=-1, keepdim=True)
+        top_logp = top_z - log_norm
         num_parents = front_tok.shape[1]
         child_scores = (front_score[:, :, None] + top_logp).reshape(b, num_parents * k)
         child_ids = offset + torch.arange(num_parents * k, device=device)
@@ -243,7 +272,7 @@ def expand_tree(depth_logits, markov_bias, root_tokens: torch.Tensor, policy: Tr
         front_score = child_scores.gather(1, keep)
         front_cand = offset + keep
         offset += num_parents * k
-        if stop_budget is not None and d < policy.expanded_depth and offset >= stop_budget:
+        if stop_budget is not None and d < depths_to_expand and offset >= stop_budget:
             mth_best = torch.cat(scores, 1).topk(stop_budget, dim=1).values[:, -1]
             if bool((front_score.max(dim=1).values <= mth_best).all()):
                 break

@@ -132,7 +132,9 @@ def greedy_accept(tree: DraftTree, logits: torch.Tensor) -> Acceptance:
     its ancestors are correct. Siblings carry distinct tokens, so the accepted set is one path.
     The bonus is the target's choice at the deepest accepted node.
     """
-    target = logits.argmax(dim=-1)  # [b, N + 1]
+    # In float32, as plain decoding picks (transformers upcasts the step's logits): the same values, so the same
+    # first maximum, and 3x faster than a bfloat16 argmax on a CPU (0.28 vs 0.89 ms over [9, 49152], measured).
+    target = logits.float().argmax(dim=-1)  # [b, N + 1]
     parent_choice = target.gather(1, tree.parents.clamp(min=0))
     correct = (tree.tokens == parent_choice) | (tree.parents < 0)  # [b, N + 1]
     accepted = ~(tree.ancestors & ~correct[:, None, :]).any(dim=-1)  # [b, N + 1]

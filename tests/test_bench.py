@@ -25,7 +25,7 @@ def test_smoke_run_covers_every_suite_and_method_and_checks_exactness(tmp_path):
     assert report["config"]["dtype"] == "float32" and report["config"]["tree_budget"] == 8
     rows = {(r["suite"], r["method"]): r for r in report["results"]}
     methods = bench.DEFAULT_METHODS + ("baseline_chain", "baseline_datastore")  # all but the guarded defaults
-    assert set(bench.METHODS) - set(methods) == {"treespark_guarded"}
+    assert set(bench.METHODS) - set(methods) == {"treespark_unguarded"}
     assert set(rows) == {(s, m) for s in bench.SUITES for m in methods}
     for (suite, method), row in rows.items():
         assert row["prompts"] == 1 and row["exact"] == 1, (suite, method)
@@ -141,6 +141,21 @@ def test_profile_reports_every_phase_in_plain_steps(tmp_path, capsys, monkeypatc
     assert (tmp_path / "cache" / "round_latency.json").is_file() or any(
         "not stored" in str(w.message) for w in recwarn)
     assert "round / plain step" in capsys.readouterr().out
+
+
+def test_profile_of_batches_counts_rounds_and_acceptance_per_row(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_TREESPARK_CACHE", str(tmp_path / "cache"))
+    rc = bench.main(["--profile", "--batch-size", "2", "--num-prompts", "2", "--max-new-tokens", "8", "--suites",
+                     "mtbench", "--dtype", "fp32", "--output-dir", str(tmp_path)])
+    assert rc == 0
+    profile = json.loads((tmp_path / "profile.json").read_text())
+    assert profile["rows"] == 2 and profile["prompts"] == 2
+    for row in profile["budgets"]:
+        assert row["rounds"] > 0 and row["ms"]["verify"] > 0
+        assert 1.0 <= row["acceptance_length"] <= 1 + row["N"]  # per row, per round
+    assert "batches of 2 rows" in (tmp_path / "profile.md").read_text()
+    assert cli.main(["bench", "--profile", "--batch-size", "1,2", "--output-dir", str(tmp_path / "two")]) == 2
+    assert "--profile profiles one batch size" in capsys.readouterr().err
 
 
 def test_each_method_keeps_one_colour_whichever_methods_a_plot_shows():

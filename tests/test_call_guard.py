@@ -6,11 +6,12 @@ import torch
 from conftest import make_drafter, make_target
 from test_generation import RecordingStreamer, prompt
 
-from hf_treespark.call_guard import GUARD_PROBES, GUARD_WINDOW, CallGuard, resolve_guard
+from hf_treespark.call_guard import GUARD_PROBES, GUARD_SKIP, GUARD_WINDOW, CallGuard, resolve_guard
 
 
-def test_the_guard_probes_after_a_window_and_hands_off_only_when_rounds_are_slower_per_token():
-    guard = CallGuard(window=3, probes=2, margin=0.05)
+def test_the_guard_hands_off_only_after_two_slower_judgements_in_a_row():
+    guard = CallGuard(window=3, probes=2, margin=0.05, checks=2, skip=1)
+    guard.observe(5.0, 1, probe=False)  # the first round is never judged (however slow)
     for _ in range(3):
         assert not guard.probing and not guard.should_hand_off
         guard.observe(0.30, 2, probe=False)  # 0.15 s per token
@@ -18,23 +19,38 @@ def test_the_guard_probes_after_a_window_and_hands_off_only_when_rounds_are_slow
     guard.observe(0.10, 1, probe=True)
     assert guard.probing and not guard.should_hand_off  # one probe of two
     guard.observe(0.12, 1, probe=True)  # plain pace 0.11 s per token
-    assert not guard.probing
-    assert guard.plain_seconds_per_token == pytest.approx(0.11)
-    assert guard.should_hand_off  # 0.15 > 0.11 * 1.05
-
-    fast = CallGuard(window=3, probes=1, margin=0.05)
+    assert guard.judgements == [pytest.approx((0.15, 0.11))]
+    assert not guard.should_hand_off and not guard.probing  # slower once: judged again on a fresh stretch
     for _ in range(3):
-        fast.observe(0.20, 4, probe=False)
-    fast.observe(0.10, 1, probe=True)
-    assert not fast.should_hand_off  # 0.05 s per token against 0.10
-    for _ in range(2):  # a slow stretch, but the call so far is faster than plain: 1.2 s for 14 tokens
-        fast.observe(0.30, 1, probe=False)
-    assert not fast.should_hand_off
-    for _ in range(3):  # the call as a whole turns slower than plain: 2.1 s for 17 tokens
-        fast.observe(0.30, 1, probe=False)
-    assert fast.should_hand_off
+        guard.observe(0.30, 2, probe=False)
+    assert guard.probing
+    guard.observe(0.11, 1, probe=True)
+    guard.observe(0.11, 1, probe=True)
+    assert guard.should_hand_off and not guard.probing  # slower twice in a row
+    assert len(guard.rounds) == 7 and len(guard.probe_rounds) == 4
 
-    within_noise = CallGuard(window=1, probes=1, margin=0.05)
+
+def test_a_slow_moment_does_not_end_a_fast_call():
+    """A stretch slowed by the machine, judged against probes of a quiet moment, counts once; the next stretch, judged
+    against its own probes, clears it, and the one after is further away."""
+    guard = CallGuard(window=2, probes=1, margin=0.05, checks=2, skip=0, recheck=4)
+    guard.observe(0.40, 2, probe=False)  # a noisy moment: 0.2 s per token
+    guard.observe(0.40, 2, probe=False)
+    guard.observe(0.10, 1, probe=True)  # quiet again: 0.1 s per token
+    assert not guard.should_hand_off
+    guard.observe(0.10, 2, probe=False)
+    guard.observe(0.10, 2, probe=False)
+    guard.observe(0.10, 1, probe=True)  # 0.05 against 0.10: faster
+    assert not guard.should_hand_off
+    for _ in range(7):  # the next check comes 2 x 4 rounds later
+        guard.observe(0.40, 1, probe=False)
+        assert not guard.probing
+    guard.observe(0.40, 1, probe=False)
+    assert guard.probing
+    guard.observe(0.10, 1, probe=True)  # slower, once: no hand-off yet
+    assert not guard.should_hand_off and [slower > plain for slower, plain in guard.judgements] == [True, False, True]
+
+    within_noise = CallGuard(window=1, probes=1, margin=0.05, checks=1, skip=0)
     within_noise.observe(0.104, 1, probe=False)
     within_noise.observe(0.100, 1, probe=True)
     assert not within_noise.should_hand_off  # 4% slower: within the margin
@@ -52,8 +68,8 @@ def test_tree_guard_values():
 
 
 def always_slower() -> CallGuard:
-    """A guard that hands off right after its probe: any TreeSpark pace counts as slower."""
-    return CallGuard(window=2, probes=1, margin=-1.0)
+    """A guard that hands off right after its first probe: any TreeSpark pace counts as slower."""
+    return CallGuard(window=2, probes=1, margin=-1.0, checks=1, skip=0)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -96,7 +112,7 @@ def test_a_guard_that_never_finds_rounds_slower_keeps_drafting():
     drafter = make_drafter(target)
     ids = prompt(4, 7)
     ref = target.generate(ids, do_sample=False, max_new_tokens=40)
-    guard = CallGuard(window=2, probes=1, margin=float("inf"))
+    guard = CallGuard(window=2, probes=1, margin=float("inf"), skip=0, recheck=100)
     out = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=40, tree_guard=guard,
                           return_dict_in_generate=True)
     assert torch.equal(out.sequences, ref)
@@ -115,14 +131,16 @@ def test_no_guard_where_scores_are_returned():
     assert len(out.scores) == out.sequences.shape[1] - ids.shape[1]
 
 
-def test_the_guard_is_off_unless_asked_for():
+def test_the_guard_is_on_by_default_and_off_when_asked():
     target = make_target("llama")
     drafter = make_drafter(target)
     ids = prompt(7, 7)
-    out = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=40,
+    off = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=40, tree_guard=False,
                           return_dict_in_generate=True)
-    assert len(out.rounds) > GUARD_WINDOW + GUARD_PROBES and all(r.tree_size > 0 for r in out.rounds)  # no probe
-    on = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=40, tree_guard=True,
+    assert len(off.rounds) > GUARD_SKIP + GUARD_WINDOW + GUARD_PROBES and all(r.tree_size > 0 for r in off.rounds)
+    on = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=40,
                          return_dict_in_generate=True)
-    assert torch.equal(on.sequences, out.sequences)
-    assert on.rounds[GUARD_WINDOW].tree_size == 0  # the first probe
+    assert torch.equal(on.sequences, off.sequences)
+    first_probe = GUARD_SKIP + GUARD_WINDOW
+    assert all(r.tree_size > 0 for r in on.rounds[:first_probe])
+    assert all(r.tree_size == 0 for r in on.rounds[first_probe:first_probe + GUARD_PROBES])  # the first probes

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_treespark.tree import TreePolicy, ancestor_matrix, build_tree
+from hf_treespark.tree import TreePolicy, ancestor_matrix, build_tree, expand_tree
 
 V = 50
 
@@ -202,3 +203,77 @@ def test_early_stop_skips_depths_that_could_not_be_packed():
     # after it no frontier node beats the 4th best candidate, so depths 3 and 4 are skipped
     assert len(full.expansions) == 4 and len(early.expansions) == 2
     assert torch.equal(pack_tree(early, roots, 4, 6).tokens, pack_tree(full, roots, 4, 6).tokens)
+
+
+def _markov_rows(rank_inputs):
+    """`markov_rows` for `random_inputs`' Markov head: the correction on some rows only."""
+    w1, w2 = rank_inputs
+    return lambda tokens, rows: torch.matmul(w1[tokens], w2[rows].transpose(1, 2))
+
+
+@settings(max_examples=40, deadline=None)
+@given(policy=policies, seed=st.integers(0, 10_000), batch=st.integers(1, 3), shortlist=st.integers(5, 49))
+def test_a_shortlist_chooses_children_among_the_depths_best_entries_normalised_over_every_entry(policy, seed, batch,
+                                                                                           shortlist):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(batch, policy.depth, V, generator=gen) * 3
+    w1, w2 = torch.randn(V, 4, generator=gen), torch.randn(V, 4, generator=gen) * 0.3
+    markov = lambda tokens: w1[tokens] @ w2.T  # noqa: E731
+    roots = torch.randint(0, V, (batch,), generator=gen)
+    policy = replace(policy, shortlist=max(shortlist, policy.topk))
+    pool = expand_tree(logits, markov, roots, policy, markov_rows=_markov_rows((w1, w2)))
+    best = logits.topk(policy.shortlist, dim=-1).indices
+    for b in range(batch):
+        for token, depth, parent, score in zip(pool.tokens[b].tolist(), pool.depths[b].tolist(),
+                                               pool.parents[b].tolist(), pool.scores[b].tolist(), strict=True):
+            assert token in best[b, depth - 1].tolist()  # a child comes from its depth's shortlist
+            parent_token = int(roots[b]) if parent < 0 else int(pool.tokens[b, parent])
+            parent_score = 0.0 if parent < 0 else float(pool.scores[b, parent])
+            u = logits[b, depth - 1]
+            z = u + markov(torch.tensor([parent_token]))[0]
+            listed = torch.zeros(V, dtype=torch.bool)
+            listed[best[b, depth - 1]] = True
+            # normalised over all of V: the shortlist with the parent's correction, the rest at U_d alone
+            norm = torch.logaddexp(z[listed].logsumexp(0), u[~listed].logsumexp(0))
+            assert score == pytest.approx(parent_score + float(z[token] - norm), abs=1e-4)
+
+
+def test_a_shortlist_of_the_whole_vocabulary_or_without_markov_rows_is_the_full_expansion():
+    logits, markov, roots = random_inputs(7, 2, 5)
+    policy = TreePolicy(topk=3, frontier=3, budget=20, depth=5)
+    w1 = torch.randn(V, 4)
+    full = expand_tree(logits, markov, roots, policy)
+    for short in (replace(policy, shortlist=V), replace(policy, shortlist=10)):
+        rows = _markov_rows((w1, w1)) if short.shortlist == V else None  # M = V, or no markov_rows: no shortlist
+        same = expand_tree(logits, markov, roots, short, markov_rows=rows)
+        assert torch.equal(same.tokens, full.tokens) and torch.equal(same.scores, full.scores)
+    # with no Markov correction, the depth's top entries are the shortlist's: the same pool
+    flat = lambda tokens: torch.zeros(*tokens.shape, V)  # noqa: E731
+    flat_rows = lambda tokens, rows: torch.zeros(*tokens.shape, rows.shape[-1])  # noqa: E731
+    a = expand_tree(logits, flat, roots, policy)
+    b = expand_tree(logits, flat, roots, replace(policy, shortlist=8), markov_rows=flat_rows)
+    assert torch.equal(a.tokens, b.tokens) and torch.allclose(a.scores, b.scores, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_decoding_with_a_shortlist_is_exact_in_fp32(arch):
+    from conftest import make_drafter, make_target
+
+    target = make_target(arch)
+    drafter = make_drafter(target, tree_shortlist=8)
+    for seed in range(2):
+        ids = torch.randint(4, 100, (1, 7), generator=torch.Generator().manual_seed(seed))
+        ref = target.generate(ids, do_sample=False, max_new_tokens=24)
+        out = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=24, tree_guard=False,
+                              tree_record=True, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, ref)
+        assert all(r.tree_size > 0 for r in out.rounds)
+
+
+def test_tree_shortlist_must_be_a_non_negative_integer():
+    from hf_treespark.configuration import TreeSparkConfig
+
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="tree_shortlist"):
+            TreeSparkConfig(target_hidden_size=64, target_vocab_size=128, target_num_hidden_layers=4,
+                            tree_shortlist=bad).validate_fields()
