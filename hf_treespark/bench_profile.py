@@ -71,8 +71,8 @@ def profile_rounds(target, drafter, prompts: list[dict], budgets=PROFILE_BUDGETS
             result, _ = _timed_generate(target, inputs, assistant_model=drafter, max_new_tokens=max_new_tokens,
                                         tree_budget=n, tree_timer=timers[label], tree_guard=False,
                                         return_dict_in_generate=True)
-            rows = result.rounds if inputs["input_ids"].shape[0] > 1 else [result.rounds]  # a batch: per row
-            committed[label] += sum(len(r.committed) for row in rows for r in row) / len(rows)
+            per_row = result.rounds if inputs["input_ids"].shape[0] > 1 else [result.rounds]  # a batch: per row
+            committed[label] += sum(len(r.committed) for row in per_row for r in row) / len(per_row)
     plain_ms = 1000 * plain_seconds / max(plain_steps, 1)
     rows = []
     for label, n in budgets:
