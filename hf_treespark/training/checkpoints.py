@@ -91,7 +91,7 @@ class TrainerCheckpoints:
         if saved_preset is not None and saved_preset != self.config.preset:
             conflicts.append(f"preset {saved_preset!r} there, {self.config.preset!r} here")
         saved_config = state.get("config", {})
-        for key in _RESUME_POSITION_FIELDS:  # a step number means another place in the data under other values
+        for key in _RESUME_POSITION_FIELDS:  # under other values a step number means another place in the data
             if key in saved_config and saved_config[key] != getattr(self.config, key):
                 conflicts.append(f"{key} {saved_config[key]!r} there, {getattr(self.config, key)!r} here")
         saved, now = state.get("drafter_config") or {}, self._drafter_fields()
@@ -147,8 +147,9 @@ class TrainerCheckpoints:
         return True
 
 
-# Training settings that map a step to a place in the data (order, batches, micro-steps): a resumed run must keep them.
-_RESUME_POSITION_FIELDS = ("batch_size", "grad_accum", "updates_per_batch", "seed")
+# Training settings that map a step to a place in the data (order, batches, micro-steps), and the labels the steps
+# were trained on: a resumed run must keep them.
+_RESUME_POSITION_FIELDS = ("batch_size", "grad_accum", "updates_per_batch", "seed", "labels")
 # Drafter config fields that may change between a checkpoint and its resumption.
 _RESUME_IGNORED_FIELDS = {"acceptance_profile", "target_name_or_path", "transformers_version", "initializer_range"}
 

@@ -4,6 +4,9 @@
     treespark train --target default --data ../shared/data/sharegpt_smollm2_regen.jsonl \\
         --preset treespark --output-dir runs/treespark
 
+    # chats and plain text (a sequence per assistant turn; windows of text), L_ce towards the target's own argmax
+    treespark train --target default --data chats.jsonl notes.txt --labels target --output-dir runs/text
+
     # regenerate reference responses with the target first (resumable), from a prompt mixture
     treespark train --target default --regenerate "sharegpt:0.7,my_code.jsonl:0.3" \\
         --num-prompts 2000 --output-dir runs/treespark
@@ -26,9 +29,12 @@ An interrupted run resumes from its last checkpoint when started again with the 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 
+from .objective import LABELS
+from .text_references import LABELS_HELP
 from .trainer import PRESETS
 
 LOSS_KEYS = ("ce", "l1", "conf", "surv", "cov", "gamma", "coverage_top_j", "coverage_margin", "coverage_cap",
@@ -42,7 +48,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The training options, shared by `treespark train` and `examples/train_drafter.py`."""
     p.add_argument("--target", default="default", help="'default' (offline SmolLM2-135M-Instruct) or a name/path")
     p.add_argument("--data", nargs="*", default=[],
-                   help="reference JSONL files (prompt_ids, response_ids; .jsonl.gz read as well)")
+                   help="training data, any mix of: regeneration JSONL (prompt_ids, response_ids: the target's own "
+                        "answers), chat JSONL (messages or conversations: one sequence per assistant turn, in the "
+                        "target's chat template) and .txt files (windows of --max-length tokens); .jsonl.gz read as "
+                        "well. Which label each position gets: --labels")
+    p.add_argument("--labels", choices=LABELS, default="text", help=LABELS_HELP)
     p.add_argument("--regenerate", help="prompt mixture to regenerate responses for, e.g. 'sharegpt:1.0'")
     p.add_argument("--num-prompts", type=int, default=1000, help="prompts to regenerate responses for")
     p.add_argument("--regen-batch-size", type=int, default=32, help="prompts per regeneration batch")
@@ -167,6 +177,8 @@ def check_arguments(args: argparse.Namespace) -> None:
     for path in args.data:
         if not Path(path).is_file():
             raise FileNotFoundError(f"--data {path}: no such file")
+        if not str(path).endswith((".txt", ".jsonl", ".jsonl.gz")):
+            raise ValueError(f"--data {path}: give .jsonl[.gz] files (regeneration records or chats) or .txt files")
     if Path(args.output_dir).exists() and not Path(args.output_dir).is_dir():
         raise NotADirectoryError(f"--output-dir {args.output_dir} is a file: give a directory")
     if args.feature_cache and Path(args.feature_cache).exists() and not Path(args.feature_cache).is_dir():
@@ -423,8 +435,9 @@ def dev_references(args: argparse.Namespace, target, tokenizer, accelerator, out
 
 def run(args: argparse.Namespace) -> int:
     """Train as the options say; save the drafter to OUTPUT_DIR/final (and push it if asked)."""
-    from .data import load_references
+    from .datastore_inputs import load_tokenizer
     from .objective import LossConfig
+    from .text_references import load_training_data
     from .trainer import TrainConfig, Trainer, build_accelerator
 
     check_arguments(args)
@@ -437,7 +450,7 @@ def run(args: argparse.Namespace) -> int:
                          save_every=args.save_every, seed=args.seed,
                          feature_cache=cache, tensorboard=args.tensorboard, eval_every=args.eval_every,
                          eval_budget=args.eval_budget, mixed_precision=args.mixed_precision,
-                         loss=LossConfig(**args.loss))
+                         loss=LossConfig(**args.loss), labels=args.labels)
     # First, before anything else touches accelerate's state: under torchrun this joins the process group.
     accelerator = build_accelerator(config)
     target_config = load_target_config(args.target)
@@ -452,8 +465,10 @@ def run(args: argparse.Namespace) -> int:
         data.append(regenerate(args, target, tokenizer, accelerator, out))
         if args.regenerate_only:
             return 0
-    references = load_references(data, max_length=args.max_length, limit=args.max_sequences,
-                                 vocab_size=target.config.vocab_size)
+    named = None if args.target == "default" else args.target
+    get_tokenizer = functools.cache(lambda: tokenizer or load_tokenizer(named))  # for chats and text in --data
+    references = load_training_data(data, get_tokenizer, max_length=args.max_length, limit=args.max_sequences,
+                                    vocab_size=target.config.vocab_size)
     if not references:
         raise ValueError(f"no usable reference sequences in {', '.join(map(str, data))} (see the warnings above)")
     check_memory(args, target_config, accelerator.device, -(-len(references) // accelerator.num_processes))

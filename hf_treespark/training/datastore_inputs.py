@@ -104,13 +104,18 @@ def _record(record: dict, get_tokenizer: Callable[[], object], vocab_size: int) 
 
 def assistant_turns(tokenizer, messages: list[dict[str, str]]) -> list[list[int]]:
     """Each assistant turn of `messages` as the chat template lays it out: the last `HEADER_TOKENS` tokens of the
-    templated conversation before it (with the generation prompt), then the turn up to its first EOS, kept. A
-    template that rewrites earlier turns (so the turn is not a continuation of its prompt) gets the turn's text
-    tokenised alone, then EOS."""
+    templated conversation before it (with the generation prompt), then the turn (`assistant_turn_pairs`)."""
+    return [prompt[-HEADER_TOKENS:] + turn for prompt, turn in assistant_turn_pairs(tokenizer, messages)]
+
+
+def assistant_turn_pairs(tokenizer, messages: list[dict[str, str]]) -> list[tuple[list[int], list[int]]]:
+    """`(prompt, turn)` for each assistant turn of `messages`: the templated conversation before it (with the
+    generation prompt), then the turn up to its first EOS, kept. A template that rewrites earlier turns (so the turn
+    is not a continuation of its prompt) gets the turn's text tokenised alone, then EOS."""
     eos = tokenizer.eos_token_id
     template = lambda turns, open_turn: list(tokenizer.apply_chat_template(  # noqa: E731
         turns, add_generation_prompt=open_turn, tokenize=True, return_dict=False))
-    sequences = []
+    pairs = []
     for k, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
@@ -122,8 +127,8 @@ def assistant_turns(tokenizer, messages: list[dict[str, str]]) -> list[list[int]
         else:
             turn = tokenizer(message["content"], add_special_tokens=False)["input_ids"] + ([eos] if eos is not None
                                                                                           else [])
-        sequences.append(prompt[-HEADER_TOKENS:] + list(turn))
-    return sequences
+        pairs.append((prompt, list(turn)))
+    return pairs
 
 
 def _in_vocabulary(ids: list[int], vocab_size: int) -> list[int]:

@@ -22,6 +22,7 @@ from .losses import (
 )
 
 LOSS_NAMES = ("ce", "l1", "conf", "surv", "cov")
+LABELS = ("text", "target")  # what L_ce predicts: the sequence's next token, or the target's own argmax there
 
 
 @dataclass
@@ -105,8 +106,11 @@ def replay_losses(drafter, depth_logits: torch.Tensor, roots: torch.Tensor, refe
 class TrainingObjective(nn.Module):
     """Computes every loss term's `(numerator, denominator)` for a batch of reference sequences."""
 
-    def __init__(self, drafter, loss_config: LossConfig, policy: TreePolicy):
+    def __init__(self, drafter, loss_config: LossConfig, policy: TreePolicy, labels: str = "text"):
         super().__init__()
+        if labels not in LABELS:
+            raise ValueError(f"labels={labels!r}: use one of {', '.join(LABELS)}")
+        self.labels = labels
         self.drafter = drafter
         draft_index = None
         if drafter.draft_vocab_ids is not None:  # target id -> column of the draft vocabulary, -1 outside it
@@ -132,6 +136,10 @@ class TrainingObjective(nn.Module):
         and `L_cov` compare distributions the drafter can actually match. `L_ce` skips the rows whose
         reference token lies outside `S` (the drafter cannot propose it; at inference such a round commits
         the target's bonus token). Cost: the LM-head work of every term shrinks by `V / |S|`.
+
+        `labels="target"` trains `L_ce` towards `argmax q_k` instead of the sequence's token `y_k` (the parents
+        stay the sequence's tokens, teacher-forced): the target's own choice at each position of a text it did not
+        write. On the target's greedy answers the two labels agree.
         """
         cfg = self.loss_config
         drafter = self.drafter
@@ -165,7 +173,9 @@ class TrainingObjective(nn.Module):
         vocab = logits.shape[-1]
         flat_logits, flat_q = logits.reshape(-1, vocab), reference_probs.reshape(-1, vocab)
         targets, ce_w = tokens[:, :, 1:].reshape(-1), row_w
-        if self.draft_index is not None:  # columns of S; rows whose token lies outside S leave L_ce
+        if self.labels == "target":  # the target's most likely token (on S), teacher-forced: already a column of S
+            targets = flat_q.argmax(-1)
+        elif self.draft_index is not None:  # columns of S; rows whose token lies outside S leave L_ce
             targets = self.draft_index[targets]
             ce_w = row_w * (targets >= 0).float()
             targets = targets.clamp(min=0)

@@ -27,7 +27,7 @@ from .checkpoints import TrainerCheckpoints, _jsonable, publish_state
 from .data import check_token_ids, collate_references
 from .feature_cache import FeatureCache, FeatureCacheMismatch, cache_signature, fill_feature_cache
 from .losses import normalise
-from .objective import LOSS_NAMES, LossConfig, TrainingObjective
+from .objective import LABELS, LOSS_NAMES, LossConfig, TrainingObjective
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,7 @@ class TrainConfig:
     eval_every: int = 0  # optimizer steps between development-set evaluations (0: none)
     eval_budget: int = 8  # tree budget N of those evaluations
     loss: LossConfig = field(default_factory=LossConfig)
+    labels: str = "text"  # L_ce's label: the sequence's next token, or the target's own argmax there (`objective`)
 
     def __post_init__(self):
         if self.preset not in PRESETS:
@@ -79,6 +80,8 @@ class TrainConfig:
             self.loss = LossConfig(**self.loss)
         for name, value in PRESETS[self.preset][0].items():
             setattr(self.loss, name, value)
+        if self.labels not in LABELS:
+            raise ValueError(f"labels={self.labels!r}: use one of {', '.join(LABELS)}")
         if self.eval_every < 0:
             raise ValueError(f"eval_every must be >= 0 (got {self.eval_every}); 0 turns evaluation off")
         for name in ("batch_size", "grad_accum", "anchors_per_sequence", "updates_per_batch", "save_every",
@@ -207,7 +210,7 @@ class Trainer(TrainerCheckpoints):
         self.drafter.bind_target(self.target)
         cfg = drafter.config
         self.policy = replay_policy(cfg)
-        self.objective = TrainingObjective(self.drafter, config.loss, self.policy)
+        self.objective = TrainingObjective(self.drafter, config.loss, self.policy, labels=config.labels)
         # The fused kernel: one pass per tensor instead of several (measured 58 vs 249 ms per step for the
         # drafter's 27M parameters on a 2-core CPU, most of them the Markov head's W1 rows).
         fused = {"fused": True} if self.accelerator.device.type in ("cpu", "cuda") else {}
