@@ -97,6 +97,28 @@ def test_distilled_positions_of_the_targets_own_continuation_are_what_extract_wr
         assert torch.allclose(got[field].float(), want[field].float(), atol=0.02, rtol=0.02), field
 
 
+def test_a_bf16_targets_drafter_passes_run_in_bf16_and_match_float32_passes(grown, monkeypatch):
+    """With a half-precision target the drafter's passes run under autocast to it (as at inference): `h_1` then
+    differs from float32 passes on the same features only by bf16's rounding."""
+    target, drafter = grown
+    target = target.to(torch.bfloat16)
+    sequences = motif_sequences(3)
+    seen, references, real = [], [], distill._anchor_states
+
+    def spy(d, ids, features, *rest):
+        seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
+        with torch.autocast("cpu", enabled=False):
+            references.append(real(d, ids, features.float(), *rest))
+        return real(d, ids, features, *rest)
+
+    monkeypatch.setattr(distill, "_anchor_states", spy)
+    got = distil_batch(target, drafter, sequences, anchors="all")
+    assert seen == [torch.bfloat16] and drafter.fc.weight.dtype == torch.float32
+    full = {"hidden": references[0].to(torch.bfloat16)}
+    assert torch.allclose(got["hidden"].float(), full["hidden"].float(), atol=0.05, rtol=0.05)
+    assert not torch.equal(got["hidden"], full["hidden"])  # computed in bf16, not merely stored in it
+
+
 def test_a_distilled_label_is_the_targets_argmax_at_that_position_of_any_text(grown):
     target, drafter = grown
     gen = torch.Generator().manual_seed(3)

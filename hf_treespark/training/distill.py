@@ -78,7 +78,9 @@ def distil_batch(target, drafter, sequences: list[TextSequence], chunk: int = 96
     `anchors="agreeing"` keeps only the anchors whose token is the target's own argmax at the position before
     (`x_a = argmax p(. | x_..a-1)`), as every anchor at inference is (an accepted token or the target's bonus); "all"
     keeps every labelled position. One target forward over the right-padded batch, then drafter passes of
-    `pieces_per_pass` pieces of at most `chunk` anchors of one row each. `seconds`, if given, adds the wall time of
+    `pieces_per_pass` pieces of at most `chunk` anchors of one row each, under autocast to the target's precision
+    when it is half (a drafter runs in its target's dtype at inference; measured on the bf16 machine: 1.7x faster
+    than float32, `h_1` within 0.3%, below its bf16 storage's rounding). `seconds`, if given, adds the wall time of
     each phase (`target`, `drafter`)."""
     if anchors not in ANCHORS:
         raise ValueError(f"anchors={anchors!r}: use one of {', '.join(ANCHORS)}")
@@ -113,7 +115,9 @@ def distil_batch(target, drafter, sequences: list[TextSequence], chunk: int = 96
     rows, cols = labelled.nonzero(as_tuple=True)
     label = argmax[rows, cols]
     clock = _tick(seconds, "target", clock, device)
-    hidden = _anchor_states(drafter, ids, features, labelled, chunk, pieces_per_pass)
+    half = features.dtype if features.dtype in (torch.bfloat16, torch.float16) else None
+    with torch.autocast(device.type, dtype=half, enabled=half is not None):  # the target's precision, as at inference
+        hidden = _anchor_states(drafter, ids, features, labelled, chunk, pieces_per_pass)
     _tick(seconds, "drafter", clock, device)
     return {"features": features[rows, cols - 1].to(torch.bfloat16), "hidden": hidden.to(torch.bfloat16),
             "token": ids[rows, cols], "label": label}
