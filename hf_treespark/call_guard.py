@@ -10,8 +10,8 @@ clock: are the rounds faster per committed token than plain steps, here and now?
               commit, stopping criteria, streaming); the call's first `GUARD_SKIP` rounds are not judged (the first
               one chooses an "auto" budget from the whole candidate pool, and warms the caches)
     probe     after a stretch of `GUARD_WINDOW` judged rounds, `GUARD_PROBES` rounds verify the root alone: a plain
-              step through the same loop (one target forward of one token, nothing drafted), whose seconds per token
-              are the plain pace of that moment
+              step through the same loop (one target forward of one token, nothing drafted); the seconds of that
+              forward alone are the plain pace of that moment
     judge     the stretch's seconds per committed token against its probes' (the same minute of a shared machine)
     confirm   a stretch slower by more than `GUARD_MARGIN` is judged again on a fresh stretch and fresh probes; the call
               is handed off only when `GUARD_CHECKS` judgements in a row find the rounds slower. A stretch that is
@@ -26,9 +26,12 @@ not two methods. Judging a stretch against the probes right after it, and handin
 judgement, leaves a slow moment no way to end a fast call.
 
 A probe is not lost work: it commits its token, as plain decoding would. It costs what the rounds it replaces would
-have gained, about one percent of a 128-token call where TreeSpark runs at twice plain. A probe round carries this
-loop's own overhead beyond transformers' (the 4D mask, the walk, the commit), so the plain pace it measures is a
-little slow: the guard hands off only where TreeSpark is clearly slower than plain decoding.
+have gained, about one percent of a 128-token call where TreeSpark runs at twice plain. Only the probe's target
+forward is timed (`TreeSparkSession.step(probe=True)`, synchronised on CUDA): a whole probe round carries this
+loop's own work beyond a plain step (the 4D mask, the walk, the commit, the drafter's pending features), which made
+its pace 7% slower than transformers' own steps (bf16 machine, 2026-12-03), so that the guard handed off only where
+TreeSpark was about 12% slower than plain. transformers' loop adds its own, smaller, work around the same forward
+(the logits processors, the stopping criteria): the forward alone is the plain pace less that, within the margin.
 
 The hand-off (`hand_off`) continues from the session's cache, as the batched loop does (`generation_batch`), so the
 output is what plain decoding gives: exact in greedy, distributed as the target in sampling.
@@ -53,7 +56,8 @@ def _pace(rounds: list[tuple[float, int]]) -> float | None:
 
 class CallGuard:
     """The guard's state for one call. The loop asks `probing` before each round (True: verify the root alone),
-    reports each round with `observe(seconds, tokens, probe)`, and hands off once `should_hand_off` is True.
+    reports each round with `observe(seconds, tokens, probe)` (a probe's `seconds` its target forward's), and hands
+    off once `should_hand_off` is True.
 
     `rounds` and `probe_rounds` keep every `(seconds, tokens)` observed; `judgements` every `(seconds per token of
     the stretch, of its probes)` judged so far."""

@@ -143,6 +143,13 @@ class PhaseTimer:
         self.rounds += phase == "round"
 
 
+def _synchronised_clock(device: torch.device) -> float:
+    """`time.perf_counter()` once the device's queued work is done (a CUDA forward returns before it has run)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 @dataclass
 class Round:
     """One verified round: the packed tree, the walk's result, and how many nodes it accepted."""
@@ -150,6 +157,7 @@ class Round:
     tree: DraftTree
     acceptance: Acceptance
     num_accepted: int
+    verify_seconds: float | None = None  # a probe's target forward alone (`TreeSparkSession.step(probe=True)`)
 
     @property
     def tokens(self) -> torch.Tensor:
@@ -211,8 +219,9 @@ class RowPlanner:
             budget = min(budget, self.max_nodes)
         return pack_tree(pool, x0, budget, _max_depth(pool, self.policy.depth))
 
-    def plan(self, history: torch.Tensor) -> RoundPlan:
-        """This round's plan for the unpadded text `history` (1-D, its last token the anchor `x0`).
+    def plan(self, history: torch.Tensor, probe: bool = False) -> RoundPlan:
+        """This round's plan for the unpadded text `history` (1-D, its last token the anchor `x0`); a `probe`
+        verifies the root alone (a plain step, for the per-call guard: `call_guard.py`).
 
         With `policy.lookup`, continuations of the text's suffix found earlier in it are grafted into the
         candidate pool before packing (`lookup.py`). A round whose suffix matches strongly
@@ -223,7 +232,7 @@ class RowPlanner:
         """
         x0 = history[-1:]
         self.ran_drafter = False
-        if self.max_nodes == 0:
+        if probe or self.max_nodes == 0:
             self.lookup_only = False
             return RoundPlan(x0, [], [], self._pack(lookup_pool(x0, [], self.policy.lookup), x0, 0))
         with self._phase("tree"):
@@ -320,12 +329,12 @@ class TreeSparkSession:
         self.past_len = input_ids.shape[1]
         return out.logits[:, -1]
 
-    def draft(self, ids: torch.Tensor) -> DraftTree:
+    def draft(self, ids: torch.Tensor, probe: bool = False) -> DraftTree:
         """Draft and pack this round's tree for the sequence `ids` (`[1, T]`; its last token is the anchor `x0`):
         the planner's lookup-only or gated tree (`RowPlanner.plan`), or a drafter pass whose pool it packs with
         the round's lookup and datastore branches. The features a round without a drafter pass commits wait in
         `pending` for the next one."""
-        plan = self.planner.plan(ids[0, ids.shape[1] - 1 - self.past_len:])  # the unpadded text, x0 last
+        plan = self.planner.plan(ids[0, ids.shape[1] - 1 - self.past_len:], probe)  # the unpadded text, x0 last
         if plan.tree is not None:
             return plan.tree
         with self._phase("draft"):
@@ -373,16 +382,19 @@ class TreeSparkSession:
         self.past_len += num_accepted + 1
 
     @torch.no_grad()
-    def step(self, ids: torch.Tensor) -> Round:
-        """One round for the sequence `ids` (`[1, T]`, last token `x0`): draft, verify, accept, commit."""
-        tree = self.draft(ids)
+    def step(self, ids: torch.Tensor, probe: bool = False) -> Round:
+        """One round for the sequence `ids` (`[1, T]`, last token `x0`): draft, verify, accept, commit. A `probe`
+        verifies the root alone, a plain step, and times its target forward (`Round.verify_seconds`)."""
+        tree = self.draft(ids, probe)
         with self._phase("verify"):
+            began = _synchronised_clock(tree.tokens.device) if probe else 0.0
             verified = self.verify(tree)
+            seconds = _synchronised_clock(tree.tokens.device) - began if probe else None
         with self._phase("walk"):
             acceptance = self.accept(tree, verified.logits, ids)
             num_accepted = int(acceptance.num_accepted[0])
         with self._phase("commit"):
             self.commit(verified, acceptance, num_accepted)
-        rnd = Round(tree, acceptance, num_accepted)
+        rnd = Round(tree, acceptance, num_accepted, seconds)
         self.planner.after_round(tree, rnd)
         return rnd

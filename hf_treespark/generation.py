@@ -158,12 +158,10 @@ def treespark_decoding(
             rounds.extend(RoundRecord.plain_step(token) for token in ids[0, start:].tolist())
             handed_off = True
             break
-        probe = guard is not None and guard.probing
-        if guard is not None:
-            session.planner.max_nodes = 0 if probe else None  # a probe verifies the root alone: a plain step
+        probe = guard is not None and guard.probing  # the root alone: a plain step, its forward timed
         began = time.perf_counter()
         with session.timer("round") if session.timer is not None else nullcontext():
-            rnd = session.step(ids)
+            rnd = session.step(ids, probe)
             ids, new_tokens, done = _committed(rnd, ids, stopping_criteria)
             if want_scores:
                 scores.extend(rnd.acceptance.scores[:new_tokens.shape[1]])
@@ -173,8 +171,7 @@ def treespark_decoding(
                 streamer.put(new_tokens.cpu())
             rounds.append(RoundRecord.of(rnd, new_tokens[0].tolist(), tree_record))
         if guard is not None:
-            guard.observe(time.perf_counter() - began, new_tokens.shape[1], probe)
-    session.planner.max_nodes = None
+            guard.observe(rnd.verify_seconds if probe else time.perf_counter() - began, new_tokens.shape[1], probe)
 
     if streamer is not None and not handed_off:  # transformers' loop ended the stream it took over
         streamer.end()

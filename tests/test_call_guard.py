@@ -144,3 +144,27 @@ def test_the_guard_is_on_by_default_and_off_when_asked():
     first_probe = GUARD_SKIP + GUARD_WINDOW
     assert all(r.tree_size > 0 for r in on.rounds[:first_probe])
     assert all(r.tree_size == 0 for r in on.rounds[first_probe:first_probe + GUARD_PROBES])  # the first probes
+
+
+def test_a_probe_is_timed_by_its_target_forward_alone(monkeypatch):
+    """The plain pace a probe measures leaves out this loop's own work around the forward (the walk, the commit), which
+    a plain step in transformers' loop does not do; the judged rounds keep all of theirs."""
+    import time
+
+    from hf_treespark import engine
+
+    target = make_target("llama")
+    drafter = make_drafter(target)
+    slow_commit = engine.TreeSparkSession.commit
+
+    def commit(self, *args):
+        time.sleep(0.05)
+        return slow_commit(self, *args)
+
+    monkeypatch.setattr(engine.TreeSparkSession, "commit", commit)
+    guard = CallGuard(window=2, probes=2, margin=float("inf"), skip=0, recheck=100)
+    out = target.generate(prompt(4, 7), assistant_model=drafter, do_sample=False, max_new_tokens=12, tree_guard=guard,
+                          return_dict_in_generate=True)
+    assert sum(r.tree_size == 0 for r in out.rounds) == 2 and len(guard.probe_rounds) == 2
+    assert all(0 < seconds < 0.05 for seconds, _ in guard.probe_rounds)  # the forward, not the sleeping commit
+    assert all(seconds >= 0.05 for seconds, _ in guard.rounds)
