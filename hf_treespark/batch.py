@@ -41,9 +41,9 @@ from dataclasses import replace
 import torch
 from transformers import DynamicCache, LogitsProcessorList
 
-from .engine import PhaseTimer, Round, RowPlanner, feature_indices, last_logits_only, select_features
+from .engine import PhaseTimer, Round, RowPlanner, expand_pool, feature_indices, last_logits_only, select_features
 from .lookup import DrafterGate
-from .tree import Candidates, DraftTree, TreePolicy, expand_tree
+from .tree import Candidates, DraftTree, TreePolicy
 from .verify import cache_kwarg, commit_cache, greedy_accept, grouped_attention, processed_accept
 
 COMPACT_MIN = 64  # entries below which a cache is never compacted
@@ -212,9 +212,7 @@ class BatchedSession:
         with self._phase("tree"):
             stops = [self.planners[i].stop_budget(plans[i]) for i in drafted]
             stop = None if self.choose_budget is not None or None in stops else max(stops)
-            pool = expand_tree(depth_logits[drafted], self.drafter.markov_bias, anchors[drafted], self.policy,
-                               self.drafter.draft_vocab_ids, stop_budget=stop,
-                               markov_rows=self.drafter.markov_bias_rows)
+            pool = expand_pool(self.drafter, depth_logits[drafted], anchors[drafted], self.policy, stop)
             if self.choose_budget is not None:  # "auto" without a profile: chosen on the first drafter pool
                 self.set_budget(self.choose_budget(pool.scores))
                 self.choose_budget = None

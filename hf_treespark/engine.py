@@ -108,6 +108,13 @@ def draft_pool(drafter, policy: TreePolicy, anchor: torch.Tensor, position: int,
     """The draft step: `drafter_pass`, then the tree policy's candidate pool (`tree.expand_tree`;
     `stop_budget`: its early stop)."""
     depth_logits = drafter_pass(drafter, policy, anchor, position, new_features, context_cache)
+    return expand_pool(drafter, depth_logits, anchor, policy, stop_budget)
+
+
+def expand_pool(drafter, depth_logits: torch.Tensor, anchor: torch.Tensor, policy: TreePolicy,
+                stop_budget: int | None = None) -> Candidates:
+    """`tree.expand_tree` of one pass's `depth_logits` with `drafter`'s Markov head, draft vocabulary and shortlist
+    rows: the candidate pool every decoding path packs."""
     return expand_tree(depth_logits, drafter.markov_bias, anchor, policy, drafter.draft_vocab_ids, stop_budget,
                        drafter.markov_bias_rows)
 
@@ -341,9 +348,7 @@ class TreeSparkSession:
             depth_logits = drafter_pass(self.drafter, self.policy, plan.x0, self.past_len, self.pending, self.context)
         self.pending = None
         with self._phase("tree"):
-            pool = expand_tree(depth_logits, self.drafter.markov_bias, plan.x0, self.policy,
-                               self.drafter.draft_vocab_ids, stop_budget=self.planner.stop_budget(plan),
-                               markov_rows=self.drafter.markov_bias_rows)
+            pool = expand_pool(self.drafter, depth_logits, plan.x0, self.policy, self.planner.stop_budget(plan))
             if self.policy.auto:  # chosen on the drafter's own pool: the budget is the drafter's
                 if self.choose_budget is None:
                     raise ValueError("an 'auto' tree budget needs choose_budget (see hf_treespark.budget)")
