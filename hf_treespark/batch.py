@@ -309,7 +309,8 @@ class BatchedSession:
                 logits = verified.logits[i:i + 1, :tree.num_nodes + 1]
                 acceptance = (processed_accept(tree, logits, sequences[i], self.processors, self.do_sample)
                               if self.walk_processed else greedy_accept(tree, logits))
-                rounds.append(Round(tree, acceptance, int(acceptance.num_accepted[0])))
+                rounds.append(Round(tree, acceptance, int(acceptance.num_accepted[0]),
+                                    kind=self.planners[i].round_kind()))
         with self._phase("commit"):
             self.commit(verified, [rnd.acceptance.path[0, :rnd.num_accepted + 1] for rnd in rounds])
         for planner, tree, rnd in zip(self.planners, trees, rounds, strict=True):

@@ -92,6 +92,9 @@ class MethodResult:
     prompt_acceptance: list[float] = field(default_factory=list)  # each prompt's own acceptance length
     acceptance_sd: float | None = None  # standard deviation of `prompt_acceptance` (the prompt-to-prompt spread)
     phase_seconds: dict[str, float] = field(default_factory=dict)  # a drafter method's round phases (`PhaseTimer`)
+    # a drafter method's rounds by kind (`engine.ROUND_KINDS`): [rounds, verified nodes, accepted nodes, committed
+    # tokens, seconds] summed
+    round_kinds: dict[str, list[float]] = field(default_factory=dict)
 
     def add(self, new_tokens: int, seconds: float, forwards: int, rounds, phases: dict | None = None) -> None:
         """One prompt's generate call: `new_tokens` generated in `seconds` with `forwards` target forward calls (the
@@ -113,6 +116,10 @@ class MethodResult:
             for r in rounds:
                 for d in range(min(r.num_accepted, len(self.rounds_reaching_depth))):
                     self.rounds_reaching_depth[d] += 1
+                if r.seconds is not None:
+                    totals = self.round_kinds.setdefault(r.kind, [0, 0, 0, 0, 0.0])
+                    for i, value in enumerate((1, r.tree_size, r.num_accepted, len(r.committed), r.seconds)):
+                        totals[i] += value
 
     def finish(self, plain_tps: float | None) -> None:
         """The rates from the totals: tokens/s, speedup over `plain_tps`, acceptance length and its spread."""

@@ -115,9 +115,38 @@ def markdown_table(report: dict) -> str:
         for row in depth_rows:
             rates = " | ".join(f"{100 * x:.1f}%" for x in row["acceptance_by_depth"])
             lines.append(f"| {SUITE_LABELS[row['suite']]} | {row['label']} | {rates} |")
+    lines += _round_kinds_table(report)
     if report["config"]["skipped"]:
         lines += ["", f"Skipped (no drafter given): {', '.join(report['config']['skipped'])}."]
     return "\n".join(lines) + "\n"
+
+
+def _round_kinds_table(report: dict) -> list[str]:
+    """Each drafter method's rounds by kind (`engine.ROUND_KINDS`): how many, what each verified and committed, and
+    what each cost against a plain step (plain decoding's seconds per new token on the same suite)."""
+    rows = [r for r in report["results"] if r.get("round_kinds")]
+    if not rows:
+        return []
+    plain = {r["suite"]: r["seconds"] / r["new_tokens"] for r in report["results"]
+             if r["method"] == "plain" and r["new_tokens"]}
+    lines = ["", "Rounds by kind (drafter: a drafter pass's tree with any lookup and datastore branches; lookup: a "
+             "lookup-only branch; gated: the drafter gate closed; probe: the guard's root-only step). A round's cost "
+             "is its wall time in the loop, in plain steps (plain decoding's seconds per new token on the suite):", "",
+             "| suite | method | kind | share of rounds | nodes / round | accepted / node | tokens / round "
+             "| ms / round | round / plain step | tokens per plain step | share of time | share of tokens |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        kinds = row["round_kinds"]
+        rounds, tokens, seconds = (sum(k[i] for k in kinds.values()) for i in (0, 3, 4))
+        step = plain.get(row["suite"])
+        for kind, (count, nodes, accepted, committed, spent) in kinds.items():
+            cost = spent / count / step if step else None
+            lines.append(f"| {SUITE_LABELS[row['suite']]} | {row['label']} | {kind} | {100 * count / rounds:.0f}% | "
+                         f"{nodes / count:.1f} | {cell(accepted / nodes if nodes else None)} | "
+                         f"{committed / count:.2f} | {1000 * spent / count:.1f} | {cell(cost)} | "
+                         f"{cell(committed / count / cost if cost else None)} | {100 * spent / seconds:.0f}% | "
+                         f"{100 * committed / tokens:.0f}% |")
+    return lines
 
 
 # matplotlib's "tab10" colours: one per method, the same in every plot.

@@ -150,6 +150,12 @@ class PhaseTimer:
         self.rounds += phase == "round"
 
 
+# What a round verified: a drafter pass's tree (with any lookup and datastore branches), a lookup-only branch, a
+# round the drafter gate closed (a short branch or the root), the per-call guard's probe (the root alone), or a plain
+# step of transformers' loop after a hand-off.
+ROUND_KINDS = ("drafter", "lookup", "gated", "probe", "plain")
+
+
 def _synchronised_clock(device: torch.device) -> float:
     """`time.perf_counter()` once the device's queued work is done (a CUDA forward returns before it has run)."""
     if device.type == "cuda":
@@ -165,6 +171,7 @@ class Round:
     acceptance: Acceptance
     num_accepted: int
     verify_seconds: float | None = None  # a probe's target forward alone (`TreeSparkSession.step(probe=True)`)
+    kind: str = "drafter"  # one of `ROUND_KINDS`: what proposed this round's tree
 
     @property
     def tokens(self) -> torch.Tensor:
@@ -259,6 +266,12 @@ class RowPlanner:
                 return RoundPlan(x0, branches, retrieved, self._pack(pool, x0, pool.tokens.shape[1]))
         self.ran_drafter = True
         return RoundPlan(x0, branches, retrieved)
+
+    def round_kind(self, probe: bool = False) -> str:
+        """The kind (`ROUND_KINDS`) of the round this planner last planned."""
+        if probe:
+            return "probe"
+        return "lookup" if self.lookup_only else "drafter" if self.ran_drafter else "gated"
 
     def stop_budget(self, plan: RoundPlan) -> int | None:
         """The early stop of this round's expansion (`tree.expand_tree`): the most nodes it can pack."""
@@ -400,6 +413,6 @@ class TreeSparkSession:
             num_accepted = int(acceptance.num_accepted[0])
         with self._phase("commit"):
             self.commit(verified, acceptance, num_accepted)
-        rnd = Round(tree, acceptance, num_accepted, seconds)
+        rnd = Round(tree, acceptance, num_accepted, seconds, self.planner.round_kind(probe))
         self.planner.after_round(tree, rnd)
         return rnd

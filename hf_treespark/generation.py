@@ -169,9 +169,10 @@ def treespark_decoding(
                 raw_logits.extend(rnd.acceptance.raw_logits[:new_tokens.shape[1]])
             if streamer is not None:
                 streamer.put(new_tokens.cpu())
-            rounds.append(RoundRecord.of(rnd, new_tokens[0].tolist(), tree_record))
+        seconds = time.perf_counter() - began
+        rounds.append(RoundRecord.of(rnd, new_tokens[0].tolist(), tree_record, seconds))
         if guard is not None:
-            guard.observe(rnd.verify_seconds if probe else time.perf_counter() - began, new_tokens.shape[1], probe)
+            guard.observe(rnd.verify_seconds if probe else seconds, new_tokens.shape[1], probe)
 
     if streamer is not None and not handed_off:  # transformers' loop ended the stream it took over
         streamer.end()

@@ -28,6 +28,9 @@ class RoundRecord:
     committed: tokens committed this round (accepted tokens, then the bonus unless the round
     stopped first). tree: the packed tree (`tokens`, `parents`, `depths`, `scores`, root first)
     and `candidates` (every proposed node with `packed` flags), when requested.
+    kind: what proposed the tree (`engine.ROUND_KINDS`: "drafter", "lookup", "gated", "probe", or "plain" for a step of
+    transformers' loop after a hand-off). seconds: the round's wall time as the batch-1 loop saw it (None in a batch,
+    whose rows share each round, and for a handed-off step).
     """
 
     tree_size: int
@@ -37,24 +40,28 @@ class RoundRecord:
     tree: dict | None = None
     lookup_accepted: int = 0
     datastore_accepted: int = 0
+    kind: str = "drafter"
+    seconds: float | None = None
 
     @property
     def acceptance_length(self) -> int:
         return len(self.committed)
 
     @classmethod
-    def of(cls, rnd: Round, committed: list[int], keep_tree: bool = False) -> RoundRecord:
+    def of(cls, rnd: Round, committed: list[int], keep_tree: bool = False, seconds: float | None = None
+           ) -> RoundRecord:
         """The record of an engine round whose `committed` tokens (possibly cut by a stop) were kept."""
         accepted = min(rnd.num_accepted, len(committed))
         return cls(tree_size=rnd.tree.num_nodes, num_accepted=accepted,
                    accepted_path=rnd.acceptance.path[0, 1:accepted + 1].tolist(), committed=committed,
                    tree=tree_record_dict(rnd.tree) if keep_tree else None,
-                   lookup_accepted=rnd.lookup_accepted(accepted), datastore_accepted=rnd.datastore_accepted(accepted))
+                   lookup_accepted=rnd.lookup_accepted(accepted), datastore_accepted=rnd.datastore_accepted(accepted),
+                   kind=rnd.kind, seconds=seconds)
 
     @classmethod
     def plain_step(cls, token: int) -> RoundRecord:
         """The record of one plain decoding step (transformers' loop after a hand-off): one token, no tree."""
-        return cls(tree_size=0, num_accepted=0, accepted_path=[], committed=[token])
+        return cls(tree_size=0, num_accepted=0, accepted_path=[], committed=[token], kind="plain")
 
 
 @dataclass

@@ -56,6 +56,16 @@ def test_smoke_run_covers_every_suite_and_method_and_checks_exactness(tmp_path):
             assert 0 < row["phase_seconds"]["verify"] < row["seconds"]
         if method == "treespark_datastore":
             assert row["phase_seconds"]["datastore"] > 0
+        if timed:  # every round by kind: counts, nodes and tokens add up to the row's
+            kinds = row["round_kinds"]
+            assert set(kinds) <= {"drafter", "lookup", "gated", "probe"} and "drafter" in kinds, (suite, method)
+            assert sum(k[0] for k in kinds.values()) == row["rounds"]
+            assert sum(k[3] for k in kinds.values()) == row["new_tokens"] - 1  # the prefill commits the first
+            assert 0 < sum(k[4] for k in kinds.values()) < row["seconds"]
+        else:
+            assert not row["round_kinds"]
+    assert "| suite | method | kind | share of rounds | nodes / round | accepted / node | tokens / round |" in table
+    assert "| HumanEval | TreeSpark + lookup + datastore | drafter |" in table
     # every pair of bench.PAIRS whose methods ran did so on every suite, so each appears in the paired table
     ran = [p for p in bench.PAIRS if set(p) <= set(methods)]
     assert len(ran) == len(bench.PAIRS) - 1

@@ -86,9 +86,11 @@ def test_a_handed_off_call_returns_what_plain_generate_returns(arch, attn):
     assert torch.equal(out.sequences, ref)
     assert len(guard.rounds) == 2 and len(guard.probe_rounds) == 1  # two rounds, one probe, then transformers
     probe = out.rounds[2]
-    assert probe.tree_size == 0 and len(probe.committed) == 1
+    assert probe.tree_size == 0 and len(probe.committed) == 1 and probe.kind == "probe"
     handed = out.rounds[3:]
     assert handed and all(r.tree_size == 0 and len(r.committed) == 1 for r in handed)
+    assert [r.kind for r in out.rounds] == ["drafter"] * 2 + ["probe"] + ["plain"] * len(handed)
+    assert all(r.seconds > 0 for r in out.rounds[:3]) and all(r.seconds is None for r in handed)
     assert sum(len(r.committed) for r in out.rounds) == ref.shape[1] - ids.shape[1] - 1  # + the prefill's token
     assert streamer.ended  # once, by transformers' loop
     assert sum(len(p) for p in streamer.puts[1:]) == ref.shape[1] - ids.shape[1]  # every new token streamed once

@@ -258,3 +258,18 @@ def test_sampling_through_lookup_only_rounds_matches_the_target_distribution():
     assert lookup_rounds > 250, lookup_rounds  # p(repeat) > 0.5: most first rounds verified the branch "z x y"
     ok, stat = chi_square_ok(counts, marg2)
     assert ok, stat
+
+
+def test_each_planned_round_names_its_kind():
+    from hf_treespark.engine import ROUND_KINDS, RowPlanner
+
+    planner = RowPlanner(TreePolicy(topk=2, frontier=2, budget=4, depth=3, lookup=4), gate=0.5)
+    strong = torch.tensor([5, 6, 7, 8, 9, 3, 6, 7, 2, 6, 1, 5, 6, 7])  # a 3-token match: lookup-only
+    plan = planner.plan(strong)
+    assert plan.tree is not None and planner.round_kind() == "lookup"
+    plain_text = torch.tensor([5, 6, 7, 8, 9, 10, 11])  # no match: the drafter drafts
+    assert planner.plan(plain_text).tree is None and planner.round_kind() == "drafter"
+    planner.gate.drafted(0)  # a drafter that did not pay closes the gate
+    assert planner.plan(plain_text).tree is not None and planner.round_kind() == "gated"
+    assert planner.plan(strong, probe=True).tree.num_nodes == 0 and planner.round_kind(probe=True) == "probe"
+    assert set(ROUND_KINDS) == {"drafter", "lookup", "gated", "probe", "plain"}
