@@ -84,28 +84,31 @@ def _record(record: dict, get_tokenizer: Callable[[], object], vocab_size: int) 
     if "response_ids" in record or "prompt_ids" in record:
         prompt_ids, response_ids = (_int_list(record, key, vocab_size) for key in ID_FIELDS)
         return "responses", [prompt_ids[-HEADER_TOKENS:] + response_ids] if response_ids else []
+    pairs = chat_turn_pairs(record, get_tokenizer, "nothing of the target's to index")
+    turns = [prompt[-HEADER_TOKENS:] + turn for prompt, turn in pairs]
+    return "assistant turns", [_in_vocabulary(ids, vocab_size) for ids in turns]
+
+
+def chat_turn_pairs(record: dict, get_tokenizer: Callable[[], object], why: str
+                    ) -> list[tuple[list[int], list[int]]]:
+    """`assistant_turn_pairs` of a chat record (`messages` or `conversations`). Raises `ValueError` for a record of
+    neither field, a conversation without an assistant turn (`why` says what is then missing), a tokenizer without
+    a chat template, or a template that refuses the conversation."""
     field = next((key for key in CHAT_FIELDS if key in record), None)
     if field is None:
         raise ValueError(f"a record needs {' and '.join(ID_FIELDS)} (token ids) or {' / '.join(CHAT_FIELDS)} (a "
                          f"chat); it has {', '.join(sorted(record)) or 'no fields'}")
     messages = _chat_to_messages(record[field])
     if not any(m["role"] == "assistant" for m in messages):
-        raise ValueError("the conversation has no assistant turn: nothing of the target's to index")
+        raise ValueError(f"the conversation has no assistant turn: {why}")
     tokenizer = get_tokenizer()
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("a chat record, but the target's tokenizer has no chat template: give --target a chat "
-                         "model, or the outputs as text or token ids")
+                         "model, or the text as a .txt file or token ids")
     try:
-        turns = assistant_turns(tokenizer, messages)
+        return assistant_turn_pairs(tokenizer, messages)
     except Exception as err:  # a Jinja template's own refusal, e.g. roles that do not alternate
         raise ValueError(f"the target's chat template refused the conversation ({err})") from None
-    return "assistant turns", [_in_vocabulary(ids, vocab_size) for ids in turns]
-
-
-def assistant_turns(tokenizer, messages: list[dict[str, str]]) -> list[list[int]]:
-    """Each assistant turn of `messages` as the chat template lays it out: the last `HEADER_TOKENS` tokens of the
-    templated conversation before it (with the generation prompt), then the turn (`assistant_turn_pairs`)."""
-    return [prompt[-HEADER_TOKENS:] + turn for prompt, turn in assistant_turn_pairs(tokenizer, messages)]
 
 
 def assistant_turn_pairs(tokenizer, messages: list[dict[str, str]]) -> list[tuple[list[int], list[int]]]:

@@ -25,8 +25,8 @@ from pathlib import Path
 
 from ..datastore import HEADER_TOKENS
 from ..records import json_records
-from .data import ReferenceSequence, _chat_to_messages, _int_list
-from .datastore_inputs import CHAT_FIELDS, ID_FIELDS, assistant_turn_pairs
+from .data import ReferenceSequence, _int_list
+from .datastore_inputs import ID_FIELDS, chat_turn_pairs
 
 logger = logging.getLogger(__name__)
 
@@ -92,21 +92,7 @@ def _record_pairs(record: dict, get_tokenizer: Callable[[], object], vocab_size:
     """`("ids", [(prompt_ids, response_ids)])` of a regeneration record, `("chat", [(prompt, turn), ...])` of a chat."""
     if any(key in record for key in ID_FIELDS):
         return "ids", [tuple(_int_list(record, key, vocab_size) for key in ID_FIELDS)]
-    field = next((key for key in CHAT_FIELDS if key in record), None)
-    if field is None:
-        raise ValueError(f"a record needs {' and '.join(ID_FIELDS)} (token ids) or {' / '.join(CHAT_FIELDS)} (a "
-                         f"chat); it has {', '.join(sorted(record)) or 'no fields'}")
-    messages = _chat_to_messages(record[field])
-    if not any(m["role"] == "assistant" for m in messages):
-        raise ValueError("the conversation has no assistant turn: nothing to train the drafter on")
-    tokenizer = get_tokenizer()
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("a chat record, but the target's tokenizer has no chat template: give --target a chat model, "
-                         "or the text as a .txt file")
-    try:
-        pairs = assistant_turn_pairs(tokenizer, messages)
-    except Exception as err:  # a Jinja template's own refusal, e.g. roles that do not alternate
-        raise ValueError(f"the target's chat template refused the conversation ({err})") from None
+    pairs = chat_turn_pairs(record, get_tokenizer, "nothing to train the drafter on")
     for prompt, turn in pairs:
         _check_vocabulary(prompt + turn, vocab_size, "the chat")
     return "chat", pairs
