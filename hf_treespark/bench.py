@@ -125,21 +125,9 @@ def _grown_datastores(drafters: dict, prompts) -> dict:
     `generate` adds an output), whatever the drafter's `datastore_grow_tokens`. The copy shares the drafter's index
     and grows no further during the suite, so every method and prompt sees the same store; the drafter's own store
     is left as it is. Empty for a suite without earlier outputs."""
-    from .datastore import Datastore
-
     earlier = [ids for prompt in prompts for ids in prompt.earlier_outputs]
-    grown = {}
-    for role, drafter in drafters.items():
-        store = getattr(drafter, "datastore", None)
-        if not earlier or store is None:
-            continue
-        copy = Datastore(store.index, store.vocab_size,
-                         grow_tokens=sum(len(ids) for ids in (*store.grown, *earlier)))
-        for ids in (*store.grown, *earlier):
-            copy.add(ids)
-        copy.grow_tokens = 0  # frozen: `generate`'s own `add` keeps nothing more
-        grown[role] = copy
-    return grown
+    stores = {role: getattr(drafter, "datastore", None) for role, drafter in drafters.items()}
+    return {role: store.frozen_copy(earlier) for role, store in stores.items() if earlier and store is not None}
 
 
 def _with_datastore(method: Method, grown: dict) -> Method:

@@ -242,6 +242,19 @@ class Datastore:
             self.grown.pop(0)
         self.grown_index = _Index.build(self.grown)
 
+    def frozen_copy(self, outputs: Iterable[Sequence[int]] = ()) -> Datastore:
+        """A copy that shares this store's index and also indexes `outputs` after what this store has grown, all of
+        them kept, and grows no further (`grow_tokens` 0): a fixed store, as a process that grew this one with those
+        outputs would hold it (the bench's `multiturn` suite)."""
+        copy = Datastore(self.index, self.vocab_size, grow_tokens=0)
+        for ids in outputs:
+            seq = np.asarray(ids, dtype=np.int64)
+            if len(seq):
+                copy.grown.append(seq[(seq >= 0) & (seq < self.vocab_size)].astype(np.int32))
+        copy.grown = list(self.grown) + copy.grown
+        copy.grown_index = _Index.build(copy.grown) if copy.grown else None
+        return copy
+
     # ----- saving and loading ---------------------------------------------------------------------------
     def save(self, directory: str | os.PathLike) -> Path:
         """Write `datastore.safetensors` into `directory` (what was added by `add` is not saved)."""
