@@ -237,3 +237,11 @@ def test_a_run_killed_or_interrupted_anywhere_resumes_and_loses_nothing(files, t
     tokens = [t for r in refs for t in r.input_ids[r.prompt_len:-1]]
     labels = [t for r in refs for t in r.input_ids[r.prompt_len + 1:]]
     assert stored["token"].tolist() == tokens and stored["label"].tolist() == labels
+
+
+def test_help_says_which_labels_train_depth1_uses_and_where_text_goes(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["train-depth1", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Labels: the next token of each response, that is the target's own greedy choice there" in text
+    assert "`treespark distil` labels each position with the target's own argmax" in text

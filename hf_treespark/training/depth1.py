@@ -419,9 +419,15 @@ def _positive(text: str) -> float:
 
 
 def add_arguments(p) -> None:
+    if p.description is None:
+        p.description = ("Grow a drafter by a depth-1 head and train the head alone on positions extracted from "
+                         "regenerated answers. Labels: the next token of each response, that is the target's own "
+                         "greedy choice there. For any text (chats, .txt, ShareGPT), `treespark distil` labels each "
+                         "position with the target's own argmax, teacher-forced.")
     p.add_argument("--drafter", help="drafter directory to grow and train (default: the shipped drafter)")
     p.add_argument("--target", default="default", help="'default' (offline SmolLM2-135M-Instruct) or a name/path")
-    p.add_argument("--data", nargs="+", required=True, help="reference files (prompt_ids, response_ids; .jsonl[.gz])")
+    p.add_argument("--data", nargs="+", required=True,
+                   help="regeneration files (prompt_ids, response_ids; .jsonl[.gz]): the target's own answers")
     p.add_argument("--max-length", type=_at_least(2), default=384,
                    help="tokens per reference sequence (longer are cut)")
     p.add_argument("--max-sequences", type=_at_least(1), help="use at most this many reference sequences")
