@@ -235,9 +235,7 @@ class Datastore:
         """Index one more output (token ids), keeping the most recent `grow_tokens` added tokens (0: nothing)."""
         if self.grow_tokens <= 0 or len(ids) == 0:
             return
-        seq = np.asarray(ids, dtype=np.int64)
-        seq = seq[(seq >= 0) & (seq < self.vocab_size)].astype(np.int32)[-self.grow_tokens:]
-        self.grown.append(seq)
+        self.grown.append(self._in_vocabulary(ids)[-self.grow_tokens:])
         while sum(len(g) for g in self.grown) > self.grow_tokens:
             self.grown.pop(0)
         self.grown_index = _Index.build(self.grown)
@@ -247,13 +245,14 @@ class Datastore:
         them kept, and grows no further (`grow_tokens` 0): a fixed store, as a process that grew this one with those
         outputs would hold it (the bench's `multiturn` suite)."""
         copy = Datastore(self.index, self.vocab_size, grow_tokens=0)
-        for ids in outputs:
-            seq = np.asarray(ids, dtype=np.int64)
-            if len(seq):
-                copy.grown.append(seq[(seq >= 0) & (seq < self.vocab_size)].astype(np.int32))
-        copy.grown = list(self.grown) + copy.grown
+        copy.grown = list(self.grown) + [self._in_vocabulary(ids) for ids in outputs if len(ids)]
         copy.grown_index = _Index.build(copy.grown) if copy.grown else None
         return copy
+
+    def _in_vocabulary(self, ids: Sequence[int]) -> np.ndarray:
+        """`ids` as int32, the ids outside the store's vocabulary dropped."""
+        seq = np.asarray(ids, dtype=np.int64)
+        return seq[(seq >= 0) & (seq < self.vocab_size)].astype(np.int32)
 
     # ----- saving and loading ---------------------------------------------------------------------------
     def save(self, directory: str | os.PathLike) -> Path:

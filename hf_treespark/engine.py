@@ -156,7 +156,7 @@ class PhaseTimer:
 ROUND_KINDS = ("drafter", "lookup", "gated", "probe", "plain")
 
 
-def _synchronised_clock(device: torch.device) -> float:
+def synchronised_clock(device: torch.device) -> float:
     """`time.perf_counter()` once the device's queued work is done (a CUDA forward returns before it has run)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -405,9 +405,9 @@ class TreeSparkSession:
         verifies the root alone, a plain step, and times its target forward (`Round.verify_seconds`)."""
         tree = self.draft(ids, probe)
         with self._phase("verify"):
-            began = _synchronised_clock(tree.tokens.device) if probe else 0.0
+            began = synchronised_clock(tree.tokens.device) if probe else 0.0
             verified = self.verify(tree)
-            seconds = _synchronised_clock(tree.tokens.device) - began if probe else None
+            seconds = synchronised_clock(tree.tokens.device) - began if probe else None
         with self._phase("walk"):
             acceptance = self.accept(tree, verified.logits, ids)
             num_accepted = int(acceptance.num_accepted[0])

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..engine import feature_indices, last_logits_only, select_features
+from ..engine import feature_indices, last_logits_only, select_features, synchronised_clock
 from .depth1 import (
     FIELDS,
     SHARD_POSITIONS,
@@ -58,9 +58,7 @@ def position_bytes(drafter) -> int:
 
 
 def _tick(seconds: dict | None, phase: str, since: float, device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    now = time.perf_counter()
+    now = synchronised_clock(device)
     if seconds is not None:
         seconds[phase] = seconds.get(phase, 0.0) + now - since
     return now
