@@ -41,8 +41,18 @@ from dataclasses import replace
 import torch
 from transformers import DynamicCache, LogitsProcessorList
 
-from .engine import PhaseTimer, Round, RowPlanner, expand_pool, feature_indices, last_logits_only, select_features
+from .engine import (
+    PhaseTimer,
+    Round,
+    RowPlanner,
+    drafted_rows,
+    expand_pool,
+    feature_indices,
+    last_logits_only,
+    select_features,
+)
 from .lookup import DrafterGate
+from .modeling import TreeSparkDrafterOutput
 from .tree import Candidates, DraftTree, TreePolicy
 from .verify import cache_kwarg, commit_cache, greedy_accept, grouped_attention, processed_accept
 
@@ -179,9 +189,9 @@ class BatchedSession:
         self.pending = [features[i][self.valid[i]] for i in range(input_ids.shape[0])]
         return out.logits[:, -1]
 
-    def _drafter_pass(self, anchors: torch.Tensor) -> torch.Tensor:
-        """One drafter pass for every row: depth logits `[B, D', |S|]`. Each row's pending features, left-padded
-        to the longest, join its context (`context_valid` marks the real ones)."""
+    def _drafter_pass(self, anchors: torch.Tensor) -> TreeSparkDrafterOutput:
+        """One drafter pass for every row: its output, depth logits `[B, D', |S|]`. Each row's pending features,
+        left-padded to the longest, join its context (`context_valid` marks the real ones)."""
         rows = len(self.pending)
         longest = max(p.shape[0] for p in self.pending)
         width = self.pending[0].shape[-1]
@@ -198,7 +208,7 @@ class BatchedSession:
                            target_features=features, context_positions=positions, context_cache=self.context,
                            context_valid=valid, logit_slots=self.policy.expanded_depth)
         self.pending = [p[:0] for p in self.pending]
-        return out.depth_logits
+        return out
 
     def draft(self, texts: list[torch.Tensor]) -> list[DraftTree]:
         """Every row's tree for this round; `texts`: each row's unpadded text (1-D), its anchor `x0` last."""
@@ -208,11 +218,11 @@ class BatchedSession:
             return [plan.tree for plan in plans]
         anchors = torch.stack([text[-1] for text in texts])
         with self._phase("draft"):
-            depth_logits = self._drafter_pass(anchors)
+            drafted_out = self._drafter_pass(anchors)
         with self._phase("tree"):
             stops = [self.planners[i].stop_budget(plans[i]) for i in drafted]
             stop = None if self.choose_budget is not None or None in stops else max(stops)
-            pool = expand_pool(self.drafter, depth_logits[drafted], anchors[drafted], self.policy, stop)
+            pool = expand_pool(self.drafter, drafted_rows(drafted_out, drafted), anchors[drafted], self.policy, stop)
             if self.choose_budget is not None:  # "auto" without a profile: chosen on the first drafter pool
                 self.set_budget(self.choose_budget(pool.scores))
                 self.choose_budget = None

@@ -112,6 +112,9 @@ def _architecture(drafter, cfg: TreeSparkConfig) -> list[str]:
         lines.append(f"| depth-1 head | MLP width {cfg.depth1_head}: the target features of the position before the "
                      "anchor, the anchor's embedding and the anchor slot's state, added to that state "
                      "(`treespark train-depth1`) |")
+    if getattr(cfg, "depth2_head", 0):
+        lines.append(f"| depth-2 head | MLP width {cfg.depth2_head}: the second depth given its parent (the token the "
+                     "tree put at depth 1), the features before the anchor and the anchor's embedding |")
     if hasattr(drafter, "parameters"):
         lines.append(f"| stored parameters | {sum(p.numel() for p in drafter.parameters()):,} |")
     return lines

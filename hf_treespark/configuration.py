@@ -66,6 +66,11 @@ class TreeSparkConfig(PretrainedConfig):
             anchor, the anchor's embedding and the slot's own state; `out` starts at zero, so a drafter grown
             with it starts as it was. It is trained cheaply apart from the block (every position an anchor,
             no block, `hf_treespark.training.depth1`).
+        depth2_head: width of the depth-2 head's MLP, 0 = none. The head gives the second depth its parent:
+            `h_2(y) = h_2 + out(x + mlp(x))`, `x = [norm(fc_2(f_{a-1})) ; e(x_a) ; e(y) ; h_2]`, with `y` the token
+            the tree put at depth 1; the tree scores each depth-2 parent's children with `lm_head(h_2(y))[S] +
+            W2(W1[y])` instead of `U_2 + W2(W1[y])`. `out` starts at zero. Trained apart from the block, like the
+            depth-1 head.
         normalize_features: standardise each target feature dimension before `fc`,
             `(f - feature_mean) * feature_scale`, with per-dimension statistics of the training data
             saved as buffers (`TreeSparkDrafter.set_feature_statistics`). A small target's hidden
@@ -107,6 +112,7 @@ class TreeSparkConfig(PretrainedConfig):
         draft_vocab_size: int | None = None,
         anchor_features: bool = False,
         depth1_head: int = 0,
+        depth2_head: int = 0,
         normalize_features: bool = False,
         initializer_range: float = 0.02,
         **kwargs,
@@ -144,6 +150,7 @@ class TreeSparkConfig(PretrainedConfig):
         self.draft_vocab_size = draft_vocab_size
         self.anchor_features = bool(anchor_features)
         self.depth1_head = depth1_head
+        self.depth2_head = depth2_head
         self.normalize_features = bool(normalize_features)
         self.initializer_range = initializer_range
         kwargs.pop("hidden_size", None)  # always equal to target_hidden_size
@@ -189,6 +196,8 @@ class TreeSparkConfig(PretrainedConfig):
              "must be an integer >= 0 (draft-vocabulary entries each depth chooses from; 0 = all)")
         need(isinstance(self.depth1_head, int) and not isinstance(self.depth1_head, bool) and self.depth1_head >= 0,
              "depth1_head", "must be an integer >= 0 (the width of the depth-1 head's MLP; 0 = none)")
+        need(isinstance(self.depth2_head, int) and not isinstance(self.depth2_head, bool) and self.depth2_head >= 0,
+             "depth2_head", "must be an integer >= 0 (the width of the depth-2 head's MLP; 0 = none)")
         need(isinstance(self.datastore_grow_tokens, int) and not isinstance(self.datastore_grow_tokens, bool)
              and 0 <= self.datastore_grow_tokens <= 1 << 26, "datastore_grow_tokens",
              "must be an integer in [0, 67108864] (tokens of this process's outputs kept; 0 = none)")

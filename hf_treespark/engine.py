@@ -46,6 +46,7 @@ from .lookup import (
     lookup_pool,
     max_extra_budget,
 )
+from .modeling import TreeSparkDrafterOutput
 from .tree import Candidates, DraftTree, TreePolicy, expand_tree, pack_tree
 from .verify import (
     Acceptance,
@@ -91,32 +92,43 @@ def target_features(target, layer_ids: list[int], input_ids: torch.Tensor, atten
 
 @torch.no_grad()
 def drafter_pass(drafter, policy: TreePolicy, anchor: torch.Tensor, position: int,
-                 new_features: torch.Tensor | None, context_cache) -> torch.Tensor:
-    """One drafter pass for anchor `x0` (`[b]`) at `position`: depth logits `[b, D', |S|]` (float32).
+                 new_features: torch.Tensor | None, context_cache) -> TreeSparkDrafterOutput:
+    """One drafter pass for anchor `x0` (`[b]`) at `position`: its output, with depth logits `[b, D', |S|]`
+    (float32) and, for a drafter with a depth-2 head, what the head reads besides the parent.
 
     `new_features` `[b, s, n_layers * d_target]`: target features of the positions committed since the
     last pass; they are appended to `context_cache` (the drafter's projected context). `U_k` is computed
     only for the `D'` depths the policy expands (a budget `N < B` never reaches below depth `N`).
     """
-    out = drafter(anchor_ids=anchor[:, None], anchor_positions=torch.full_like(anchor[:, None], position),
-                  target_features=new_features, context_cache=context_cache, logit_slots=policy.expanded_depth)
-    return out.depth_logits
+    return drafter(anchor_ids=anchor[:, None], anchor_positions=torch.full_like(anchor[:, None], position),
+                   target_features=new_features, context_cache=context_cache, logit_slots=policy.expanded_depth)
 
 
 def draft_pool(drafter, policy: TreePolicy, anchor: torch.Tensor, position: int,
                new_features: torch.Tensor | None, context_cache, stop_budget: int | None = None) -> Candidates:
     """The draft step: `drafter_pass`, then the tree policy's candidate pool (`tree.expand_tree`;
     `stop_budget`: its early stop)."""
-    depth_logits = drafter_pass(drafter, policy, anchor, position, new_features, context_cache)
-    return expand_pool(drafter, depth_logits, anchor, policy, stop_budget)
+    drafted = drafter_pass(drafter, policy, anchor, position, new_features, context_cache)
+    return expand_pool(drafter, drafted, anchor, policy, stop_budget)
 
 
-def expand_pool(drafter, depth_logits: torch.Tensor, anchor: torch.Tensor, policy: TreePolicy,
+def expand_pool(drafter, drafted: TreeSparkDrafterOutput, anchor: torch.Tensor, policy: TreePolicy,
                 stop_budget: int | None = None) -> Candidates:
-    """`tree.expand_tree` of one pass's `depth_logits` with `drafter`'s Markov head, draft vocabulary and shortlist
-    rows: the candidate pool every decoding path packs."""
-    return expand_tree(depth_logits, drafter.markov_bias, anchor, policy, drafter.draft_vocab_ids, stop_budget,
-                       drafter.markov_bias_rows)
+    """`tree.expand_tree` of one pass's output with `drafter`'s Markov head, draft vocabulary, shortlist rows and
+    depth-2 head: the candidate pool every decoding path packs."""
+    parent_logits = None
+    if drafted.depth2_inputs is not None:
+        inputs = drafted.depth2_inputs
+        parent_logits = lambda d, parents: drafter.depth2_logits(inputs, parents) if d == 2 else None  # noqa: E731
+    return expand_tree(drafted.depth_logits, drafter.markov_bias, anchor, policy, drafter.draft_vocab_ids, stop_budget,
+                       drafter.markov_bias_rows, parent_logits)
+
+
+def drafted_rows(drafted: TreeSparkDrafterOutput, rows) -> TreeSparkDrafterOutput:
+    """A pass's output for some batch rows only (`rows`: an index into its first dimension)."""
+    inputs = drafted.depth2_inputs
+    return TreeSparkDrafterOutput(depth_logits=drafted.depth_logits[rows],
+                                  depth2_inputs=None if inputs is None else tuple(t[rows] for t in inputs))
 
 
 def _max_depth(pool: Candidates, depth: int) -> int:
@@ -358,10 +370,10 @@ class TreeSparkSession:
         if plan.tree is not None:
             return plan.tree
         with self._phase("draft"):
-            depth_logits = drafter_pass(self.drafter, self.policy, plan.x0, self.past_len, self.pending, self.context)
+            drafted = drafter_pass(self.drafter, self.policy, plan.x0, self.past_len, self.pending, self.context)
         self.pending = None
         with self._phase("tree"):
-            pool = expand_pool(self.drafter, depth_logits, plan.x0, self.policy, self.planner.stop_budget(plan))
+            pool = expand_pool(self.drafter, drafted, plan.x0, self.policy, self.planner.stop_budget(plan))
             if self.policy.auto:  # chosen on the drafter's own pool: the budget is the drafter's
                 if self.choose_budget is None:
                     raise ValueError("an 'auto' tree budget needs choose_budget (see hf_treespark.budget)")

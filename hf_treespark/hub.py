@@ -206,6 +206,9 @@ def treespark_config_to_dspark(config: TreeSparkConfig, num_anchors: int = 512) 
     if config.depth1_head:
         raise DSparkConversionError("this drafter has a depth-1 head (depth1_head > 0) that reads the features of the "
                                     "position before the anchor directly; DSpark drafters have no such head")
+    if config.depth2_head:
+        raise DSparkConversionError("this drafter has a depth-2 head (depth2_head > 0) that reads the parent drafted "
+                                    "at depth 1; DSpark drafters have no such head")
     if config.normalize_features:
         raise DSparkConversionError("this drafter standardises its target features before fc "
                                     "(normalize_features=True); DSpark's fc has no bias to hold the mean")

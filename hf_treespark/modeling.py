@@ -13,7 +13,9 @@ model at every committed position (SPEC section 1):
 
 With `config.depth1_head` the first depth also reads the target features of the position before the anchor
 directly, without attention (`Depth1Head`): `h_1 <- h_1 + out(x + mlp(x))`, `x = [norm(fc_1(f_{a-1})) ; e(x0) ;
-h_1]`, before `U_1` and `c_1`.
+h_1]`, before `U_1` and `c_1`. With `config.depth2_head` the second depth reads, besides, the parent `y` the tree put at
+depth 1 (`Depth2Head`): its logits are computed per parent when the tree expands depth 2 (`depth2_logits`), from the
+pass's `depth2_inputs`.
 
 `S` is the draft vocabulary: the frequency-ranked target ids in the buffer `draft_vocab_ids`
 (`config.draft_vocab_size`), or the whole target vocabulary. Drafted tokens are indices into `S`
@@ -58,14 +60,15 @@ from .modeling_block import (
     rotate_half,
     training_block_mask,
 )
-from .modeling_heads import ConfidenceHead, Depth1Head, DrafterHeads, MarkovHead
+from .modeling_heads import ConfidenceHead, Depth1Head, Depth2Head, DrafterHeads, MarkovHead
 from .modeling_io import TENSOR_ALIGNMENT, DrafterSaving, nonfinite_tensors
 
 __all__ = [
-    "NEEDS_PACKAGE", "TENSOR_ALIGNMENT", "BlockTrainingMask", "ConfidenceHead", "Depth1Head", "DrafterContextCache",
-    "MarkovHead", "TreeSparkAttention", "TreeSparkDecoderLayer", "TreeSparkDrafter", "TreeSparkDrafterOutput",
-    "TreeSparkMLP", "TreeSparkPreTrainedModel", "TreeSparkRMSNorm", "TreeSparkRotaryEmbedding", "apply_rotary",
-    "block_training_attention", "draft_vocab_problem", "nonfinite_tensors", "rotate_half",
+    "NEEDS_PACKAGE", "TENSOR_ALIGNMENT", "BlockTrainingMask", "ConfidenceHead", "Depth1Head", "Depth2Head",
+    "DrafterContextCache", "MarkovHead", "TreeSparkAttention", "TreeSparkDecoderLayer", "TreeSparkDrafter",
+    "TreeSparkDrafterOutput", "TreeSparkMLP", "TreeSparkPreTrainedModel", "TreeSparkRMSNorm",
+    "TreeSparkRotaryEmbedding", "apply_rotary", "block_training_attention", "draft_vocab_problem", "nonfinite_tensors",
+    "rotate_half",
 ]
 
 NEEDS_PACKAGE = (
@@ -80,10 +83,14 @@ class TreeSparkDrafterOutput(ModelOutput):
     """
     hidden_states: `[b, A * B, H]` normed block states `h_k`, block-major (anchor `a`, slot `k - 1`).
     depth_logits: `[b, A * B, V]` `U_k = lm_head(h_k)` in float32, when requested.
+    depth2_inputs: with a depth-2 head, what it reads besides the parent (`DrafterHeads.depth2_logits`): the
+        standardised target features before each anchor `[b, A, F]`, the anchor's embedding and the second slot's
+        state `h_2` `[b, A, H]`. `depth_logits`' second depth is then `U_2` without the head.
     """
 
     hidden_states: torch.Tensor | None = None
     depth_logits: torch.Tensor | None = None
+    depth2_inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 class TreeSparkPreTrainedModel(PreTrainedModel):
@@ -148,6 +155,7 @@ class TreeSparkDrafter(DrafterSaving, DrafterBinding, DrafterHeads, TreeSparkPre
             self.anchor_proj = nn.Linear(hidden, hidden, bias=False)
             self.anchor_proj.zero_init = True
         self.depth1_head = Depth1Head(config) if config.depth1_head else None
+        self.depth2_head = Depth2Head(config) if config.depth2_head else None
         self.mask_embedding = nn.Parameter(torch.zeros(hidden)) if config.mask_token_id is None else None
         self.datastore: Datastore | None = None  # the target's earlier outputs (`datastore.py`), saved beside it
         self.__dict__["_target_modules"] = None  # (embed_tokens, lm_head) of the bound target; not registered
@@ -264,9 +272,15 @@ class TreeSparkDrafter(DrafterSaving, DrafterBinding, DrafterHeads, TreeSparkPre
         for layer in self.layers:
             block = layer(block, block_rope, context, context_rope, attention_mask, context_cache)
         hidden = self.norm(block)
-        if self.depth1_head is not None:
-            hidden = self._with_depth1_head(hidden, anchor_ids, anchor_positions, target_features, context_cache,
-                                            context_valid)
+        depth2_inputs = None
+        if self.depth1_head is not None or self.depth2_head is not None:
+            before = self._features_before(hidden, anchor_positions, target_features, context_cache, context_valid)
+            if self.depth2_head is not None and bsz > 1:
+                embed, _, _ = self._target()
+                second = hidden.view(b, num_anchors, bsz, -1)[:, :, 1]
+                depth2_inputs = (self._standardised(before), embed(anchor_ids).to(hidden.dtype), second)
+            if self.depth1_head is not None:
+                hidden = self._with_depth1_head(hidden, anchor_ids, before)
         logits = None
         if return_logits:
             slots = bsz if logit_slots is None else min(logit_slots, bsz)
@@ -275,7 +289,7 @@ class TreeSparkDrafter(DrafterSaving, DrafterBinding, DrafterHeads, TreeSparkPre
             else:
                 hidden_slots = hidden
             logits = self.depth_logits(hidden_slots)
-        return TreeSparkDrafterOutput(hidden_states=hidden, depth_logits=logits)
+        return TreeSparkDrafterOutput(hidden_states=hidden, depth_logits=logits, depth2_inputs=depth2_inputs)
 
     def _anchor_context(self, context, anchor_positions, context_cache, bsz: int,
                         context_valid: torch.Tensor | None = None) -> torch.Tensor:

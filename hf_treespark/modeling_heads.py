@@ -3,6 +3,7 @@
     p_k(.|y)  = softmax(U_k + W2(W1[y]))              Markov head, rank r, W2: r -> |S|
     c_k(y)    = sigmoid(w . [h_k ; W1[y]] + b)        confidence head
     h_1      <- h_1 + out(x + mlp(x)),  x = [norm(fc_1(f_{a-1})) ; e(x0) ; h_1]      depth-1 head (optional)
+    h_2(y)    = h_2 + out(x + mlp(x)),  x = [norm(fc_2(f_{a-1})) ; e(x0) ; e(y) ; h_2]   depth-2 head (optional)
 
 The block drafts all `B` depths at once, so depth `k` cannot see which token the tree put at depth `k - 1`.
 The Markov head puts that parent `y` back as a low-rank logit correction, and the confidence head scores
@@ -13,6 +14,10 @@ depth the target features of the position before the anchor directly, without at
 `DrafterHeads` is the drafter's side of them (mixed into `TreeSparkDrafter`): `U_k` from the bound target's
 LM head, the Markov bias, the confidence, and the depth-1 pass. This file imports only torch and the drafter's
 own modules: it ships beside `modeling.py` as remote code.
+
+The depth-2 head gives the second depth what the Markov head's low-rank bias only approximates: the parent `y` the
+tree put at depth 1, read together with the target features before the anchor and the slot's state. Its logits are
+`lm_head(h_2(y))[S] + W2(W1[y])`, one full row per depth-2 parent (`tree.expand_tree`'s `parent_logits`).
 """
 
 from __future__ import annotations
@@ -72,9 +77,34 @@ class Depth1Head(nn.Module):
         return hidden + self.out(x)
 
 
+class Depth2Head(nn.Module):
+    """The second depth given its parent `y`: `h_2(y) = h_2 + out(x + mlp(x))`, `x = [norm(fc(f)) ; e(x0) ; e(y) ;
+    h_2]`, from the raw target features `f` of the position before the anchor, the embeddings of the anchor and of
+    the parent, and the slot's state `h_2`. `out` is zero-initialised: a drafter grown with it drafts as before."""
+
+    def __init__(self, config: TreeSparkConfig):
+        super().__init__()
+        hidden = config.hidden_size
+        self.fc = nn.Linear(config.num_target_features * config.target_hidden_size, hidden, bias=False)
+        self.norm = TreeSparkRMSNorm(hidden, config.rms_norm_eps)
+        self.up = nn.Linear(4 * hidden, config.depth2_head)
+        self.down = nn.Linear(config.depth2_head, 4 * hidden)
+        self.out = nn.Linear(4 * hidden, hidden)
+        self.out.zero_init = True
+
+    def forward(self, features: torch.Tensor, anchor: torch.Tensor, parent: torch.Tensor,
+                hidden: torch.Tensor) -> torch.Tensor:
+        """`[..., F]`, `[..., H]` x 3 -> `h_2(y)` `[..., H]` (the leading shapes broadcast)."""
+        context = self.norm(self.fc(features))
+        shape = torch.broadcast_shapes(context.shape, anchor.shape, parent.shape, hidden.shape)
+        x = torch.cat([t.expand(shape) for t in (context, anchor, parent, hidden)], dim=-1)
+        x = x + self.down(F.silu(self.up(x)))
+        return hidden.expand(shape) + self.out(x)
+
+
 class DrafterHeads:
     """The heads as `TreeSparkDrafter` uses them. Mixed into the drafter, which holds `markov_head`,
-    `confidence_head`, `depth1_head`, the feature standardisation `_standardised` and the bound target's
+    `confidence_head`, `depth1_head`, `depth2_head`, the feature standardisation `_standardised` and the bound target's
     `_target()` (`modeling_binding.DrafterBinding`)."""
 
     def depth_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -101,30 +131,46 @@ class DrafterHeads:
             raise ValueError("this drafter has no confidence head (config.use_confidence_head=False)")
         return self.confidence_head(hidden, self.markov_head.markov_w1(parent_tokens))
 
-    def _with_depth1_head(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, anchor_positions: torch.Tensor,
-                          target_features: torch.Tensor | None, context_cache: DrafterContextCache | None,
-                          context_valid: torch.Tensor | None) -> torch.Tensor:
-        """`hidden` `[b, A * B, H]` with each block's anchor slot passed through `depth1_head`.
+    def depth2_logits(self, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                      parent_tokens: torch.Tensor) -> torch.Tensor:
+        """The second depth's logits given each parent, in float32: `lm_head(h_2(y))[S] + W2(W1[y])`.
 
-        The features of the position before anchor `a`: without a cache (training), row `a - 1` of
-        `target_features` (zeros for an anchor at position 0); with one, the newest new row (the newest valid one
-        per row with `context_valid`), kept in the cache for a pass that brings no new context.
+        `inputs`: a pass's `TreeSparkDrafterOutput.depth2_inputs` (standardised features before the anchor `[b, A, F]`,
+        the anchor's embedding and the slot's state `[b, A, H]`); `parent_tokens` `[b, P]` target ids, with `A = 1`
+        (every parent of one block) or `A = P` (one parent per block) -> `[b, P, |S|]`.
         """
-        b, num_anchors = anchor_ids.shape
-        width = self.depth1_head.fc.in_features
+        features, anchor, hidden = inputs
+        embed, _, _ = self._target()
+        state = self.depth2_head(features, anchor, embed(parent_tokens).to(hidden.dtype), hidden)
+        return self.depth_logits(state) + self.markov_bias(parent_tokens)
+
+    def _features_before(self, hidden: torch.Tensor, anchor_positions: torch.Tensor,
+                         target_features: torch.Tensor | None, context_cache: DrafterContextCache | None,
+                         context_valid: torch.Tensor | None) -> torch.Tensor:
+        """The raw target features of the position before each anchor, `[b, A, F]` (what the depth heads read).
+
+        Without a cache (training), row `a - 1` of `target_features` (zeros for an anchor at position 0); with one,
+        the newest new row (the newest valid one per row with `context_valid`), kept in the cache for a pass that
+        brings no new context.
+        """
+        b, num_anchors = anchor_positions.shape
+        width = self.config.num_target_features * self.config.target_hidden_size
         have_new = target_features is not None and target_features.shape[1] > 0
         if context_cache is not None:
             if have_new:
                 context_cache.last_features = newest_rows(target_features, context_valid, context_cache.last_features)
             before = context_cache.last_features
-            if before is None:
-                before = hidden.new_zeros(b, 1, width)
-        elif have_new:
+            return hidden.new_zeros(b, 1, width) if before is None else before
+        if have_new:
             index = (anchor_positions - 1).clamp(min=0)
             before = target_features.gather(1, index[:, :, None].expand(-1, -1, width))
-            before = before * (anchor_positions > 0)[:, :, None].to(before.dtype)
-        else:
-            before = hidden.new_zeros(b, num_anchors, width)
+            return before * (anchor_positions > 0)[:, :, None].to(before.dtype)
+        return hidden.new_zeros(b, num_anchors, width)
+
+    def _with_depth1_head(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+        """`hidden` `[b, A * B, H]` with each block's anchor slot passed through `depth1_head`, which reads `before`
+        (`_features_before`)."""
+        b, num_anchors = anchor_ids.shape
         embed, _, _ = self._target()
         blocks = hidden.view(b, num_anchors, self.config.block_size, -1)
         first = self.depth1_head(self._standardised(before), embed(anchor_ids).to(hidden.dtype), blocks[:, :, 0])

@@ -205,7 +205,8 @@ def build_tree(
 @torch.no_grad()
 def expand_tree(depth_logits, markov_bias, root_tokens: torch.Tensor, policy: TreePolicy,
                 vocab_ids: torch.Tensor | None = None, stop_budget: int | None = None,
-                markov_rows: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> Candidates:
+                markov_rows: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                parent_logits: Callable[[int, torch.Tensor], torch.Tensor | None] | None = None) -> Candidates:
     """The candidate pool: frontier expansion over `policy.expanded_depth` depths (no packing yet).
 
     Scores: `score(n) = score(parent) + log p_d(token(n) | token(parent))`, with
@@ -225,6 +226,9 @@ def expand_tree(depth_logits, markov_bias, root_tokens: torch.Tensor, policy: Tr
     to the smaller depth, so no deeper candidate could be among the `M` best: `pack_tree` with any
     budget `<= M` packs exactly the tree of the full pool. Each depth skipped saves one Markov-head
     product (the largest part of the tree's cost). Training replay expands every depth.
+
+    Parent logits (`parent_logits(d, parent_tokens [b, P]) -> [b, P, |S|]` or None, a drafter's depth-2 head): a depth
+    for which it returns a tensor takes its logits from it, whole rows, instead of `U_d + W2(W1[y])`.
     """
     b = root_tokens.shape[0]
     device = root_tokens.device
@@ -244,8 +248,9 @@ def expand_tree(depth_logits, markov_bias, root_tokens: torch.Tensor, policy: Tr
     front_cand = torch.full((b, 1), -1, dtype=torch.long, device=device)
     offset = 0
     for d in range(1, depths_to_expand + 1):  # deeper candidates could never be packed
-        if shortlist is None:
-            z = depth_logits[:, d - 1, None, :].float() + markov_bias(front_tok)  # [b, P, V]
+        given = parent_logits(d, front_tok) if parent_logits is not None else None
+        if given is not None or shortlist is None:
+            z = given if given is not None else depth_logits[:, d - 1, None, :].float() + markov_bias(front_tok)
             top_z, top_tok = z.topk(k, dim=-1)  # [b, P, k] indices into the draft vocabulary
             log_norm = z.logsumexp(dim=-1, keepdim=True)
         else:

@@ -56,11 +56,11 @@ def head_off(drafter):
 
 
 def block_signature(drafter) -> str:
-    """A fingerprint of what `h_1` depends on (the drafter's weights outside the depth-1 head) and the feature
+    """A fingerprint of what `h_1` depends on (the drafter's weights outside the depth heads) and the feature
     layout: shards extracted for another drafter are refused."""
     digest = hashlib.sha256(json.dumps(drafter.config.target_layer_ids).encode())
     for name, tensor in sorted(drafter.state_dict().items()):
-        if not name.startswith("depth1_head."):
+        if not name.startswith(("depth1_head.", "depth2_head.")):
             digest.update(name.encode())
             digest.update(tensor.detach().float().sum().item().hex().encode())
     return digest.hexdigest()[:16]
@@ -380,15 +380,20 @@ class Depth1Trainer:
 def grow_depth1_head(drafter, width: int, fresh: bool = False):
     """A copy of `drafter` with a fresh depth-1 head of MLP width `width` (drafting exactly as before until it is
     trained); a drafter that has one is returned as it is, unless `fresh` (its head is replaced by a fresh one)."""
-    if drafter.depth1_head is not None and not fresh:
+    return grow_head(drafter, "depth1_head", width, fresh)
+
+
+def grow_head(drafter, head: str, width: int, fresh: bool = False):
+    """`grow_depth1_head` for the head `head` (`"depth1_head"` or `"depth2_head"`, the config field and module)."""
+    if getattr(drafter, head) is not None and not fresh:
         return drafter
     from ..configuration import TreeSparkConfig
 
-    config = TreeSparkConfig.from_dict({**drafter.config.to_dict(), "depth1_head": width})
+    config = TreeSparkConfig.from_dict({**drafter.config.to_dict(), head: width})
     grown = type(drafter)(config).to(drafter.fc.weight.dtype)
-    kept = {k: v for k, v in drafter.state_dict().items() if not k.startswith("depth1_head.")}
+    kept = {k: v for k, v in drafter.state_dict().items() if not k.startswith(head + ".")}
     missing, unexpected = grown.load_state_dict(kept, strict=False)
-    if unexpected or any(not name.startswith("depth1_head.") for name in missing):
+    if unexpected or any(not name.startswith(head + ".") for name in missing):
         raise ValueError(f"cannot grow this drafter: keys {unexpected or missing} do not match")
     grown.datastore = drafter.datastore
     return grown
