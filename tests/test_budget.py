@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import make_drafter, make_target
 
-from hf_treespark import TreeSparkConfig, TreeSparkDrafter, budget, latency
+from hf_treespark import TreeSparkConfig, TreeSparkDrafter, budget, call_guard, latency
 from hf_treespark.tree import TreePolicy
 
 
@@ -154,7 +154,8 @@ def test_the_gate_threshold_is_a_drafter_rounds_extra_cost_in_plain_steps(latenc
 
 def test_calibrated_acceptance_prices_drafter_rounds_without_lookup(monkeypatch):
     """The profile is the drafter's own acceptance per budget: with the drafter's lookup on, calibration still
-    verifies no lookup branch (lookup-only rounds and the gate would price rounds of another cost)."""
+    verifies no lookup branch (lookup-only rounds and the gate would price rounds of another cost), and no probe of
+    the per-call guard, which would also hand slow budgets to plain decoding."""
     target = make_target("llama")
     drafter = make_drafter(target, tree_lookup=7)
     ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8, 9, 10, 11, 5, 6, 7]])  # lookup finds matches here
@@ -175,6 +176,8 @@ def test_calibrated_acceptance_prices_drafter_rounds_without_lookup(monkeypatch)
     profile = budget.calibrate_acceptance(target, drafter, [inputs], budgets=(4,), max_new_tokens=24, progress=False)
     (out,) = seen
     assert sum(r.lookup_accepted for r in out.rounds) == 0
+    # nor the per-call guard: no probe among the rounds (with it, one comes after its first window of rounds)
+    assert len(out.rounds) > 1 + call_guard.GUARD_WINDOW and {r.kind for r in out.rounds} == {"drafter"}
     assert profile["4"] == pytest.approx(sum(len(r.committed) for r in out.rounds) / len(out.rounds))
 
 
