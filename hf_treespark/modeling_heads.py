@@ -56,50 +56,53 @@ class ConfidenceHead(nn.Module):
         return self.proj(torch.cat([hidden, parent_embedding.to(hidden.dtype)], dim=-1)).squeeze(-1)
 
 
-class Depth1Head(nn.Module):
+class FeatureHead(nn.Module):
+    """What the depth heads share: `fc` and `norm` over the raw target features of the position before the anchor, and
+    a residual MLP over the `parts` concatenated `H`-wide inputs (`up`, `down`) into a zero-initialised `out`."""
+
+    def __init__(self, config: TreeSparkConfig, parts: int, width: int):
+        super().__init__()
+        hidden = config.hidden_size
+        self.fc = nn.Linear(config.num_target_features * config.target_hidden_size, hidden, bias=False)
+        self.norm = TreeSparkRMSNorm(hidden, config.rms_norm_eps)
+        self.up = nn.Linear(parts * hidden, width)
+        self.down = nn.Linear(width, parts * hidden)
+        self.out = nn.Linear(parts * hidden, hidden)
+        self.out.zero_init = True
+
+    def update(self, hidden: torch.Tensor, features: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+        """`hidden + out(x + mlp(x))`, `x = [norm(fc(features)) ; *inputs ; hidden]` (leading shapes broadcast)."""
+        parts = (self.norm(self.fc(features)), *inputs, hidden)
+        shape = torch.broadcast_shapes(*(t.shape for t in parts))
+        x = torch.cat([t.expand(shape) for t in parts], dim=-1)
+        x = x + self.down(F.silu(self.up(x)))
+        return hidden.expand(shape) + self.out(x)
+
+
+class Depth1Head(FeatureHead):
     """A context-free pathway into the first depth: `h_1 + out(x + mlp(x))`, `x = [norm(fc(f)) ; e ; h_1]`, from
     the raw target features `f` of the position before the anchor, the anchor's embedding `e` and the anchor
     slot's state `h_1`. `out` is zero-initialised: a drafter grown with the head starts as it was."""
 
     def __init__(self, config: TreeSparkConfig):
-        super().__init__()
-        hidden = config.hidden_size
-        self.fc = nn.Linear(config.num_target_features * config.target_hidden_size, hidden, bias=False)
-        self.norm = TreeSparkRMSNorm(hidden, config.rms_norm_eps)
-        self.up = nn.Linear(3 * hidden, config.depth1_head)
-        self.down = nn.Linear(config.depth1_head, 3 * hidden)
-        self.out = nn.Linear(3 * hidden, hidden)
-        self.out.zero_init = True
+        super().__init__(config, 3, config.depth1_head)
 
     def forward(self, features: torch.Tensor, embedding: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        x = torch.cat([self.norm(self.fc(features)), embedding, hidden], dim=-1)
-        x = x + self.down(F.silu(self.up(x)))
-        return hidden + self.out(x)
+        return self.update(hidden, features, embedding)
 
 
-class Depth2Head(nn.Module):
+class Depth2Head(FeatureHead):
     """The second depth given its parent `y`: `h_2(y) = h_2 + out(x + mlp(x))`, `x = [norm(fc(f)) ; e(x0) ; e(y) ;
     h_2]`, from the raw target features `f` of the position before the anchor, the embeddings of the anchor and of
     the parent, and the slot's state `h_2`. `out` is zero-initialised: a drafter grown with it drafts as before."""
 
     def __init__(self, config: TreeSparkConfig):
-        super().__init__()
-        hidden = config.hidden_size
-        self.fc = nn.Linear(config.num_target_features * config.target_hidden_size, hidden, bias=False)
-        self.norm = TreeSparkRMSNorm(hidden, config.rms_norm_eps)
-        self.up = nn.Linear(4 * hidden, config.depth2_head)
-        self.down = nn.Linear(config.depth2_head, 4 * hidden)
-        self.out = nn.Linear(4 * hidden, hidden)
-        self.out.zero_init = True
+        super().__init__(config, 4, config.depth2_head)
 
     def forward(self, features: torch.Tensor, anchor: torch.Tensor, parent: torch.Tensor,
                 hidden: torch.Tensor) -> torch.Tensor:
         """`[..., F]`, `[..., H]` x 3 -> `h_2(y)` `[..., H]` (the leading shapes broadcast)."""
-        context = self.norm(self.fc(features))
-        shape = torch.broadcast_shapes(context.shape, anchor.shape, parent.shape, hidden.shape)
-        x = torch.cat([t.expand(shape) for t in (context, anchor, parent, hidden)], dim=-1)
-        x = x + self.down(F.silu(self.up(x)))
-        return hidden.expand(shape) + self.out(x)
+        return self.update(hidden, features, anchor, parent)
 
 
 class DrafterHeads:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_drafter, make_target
+from conftest import assert_round_trip_decodes_exactly, make_drafter, make_target
 
 from hf_treespark.engine import drafter_pass, expand_pool, target_features
 from hf_treespark.training.depth1 import grow_head
@@ -65,32 +65,15 @@ def test_the_tree_scores_depth_two_with_the_head_given_each_parent():
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_a_drafter_with_a_trained_depth2_head_round_trips_and_decodes_exactly(arch, tmp_path):
-    """A head that matters survives save/load, and greedy decoding with it, batch 1 and a ragged batch, and sampling's
-    own check path, is plain greedy decoding."""
-    from hf_treespark import TreeSparkDrafter
-
+    """A head that matters survives save/load, and greedy decoding with it, batch 1 and a ragged batch, is plain
+    greedy decoding."""
     target = make_target(arch)
     drafter = grow_head(grow_head(make_drafter(target), "depth1_head", 16), "depth2_head", 16)
     with torch.no_grad():
         drafter.depth1_head.out.weight.normal_(0.0, 0.5)
         drafter.depth2_head.out.weight.normal_(0.0, 0.5)
-    drafter.save_pretrained(tmp_path / "d")
-    loaded = TreeSparkDrafter.from_pretrained(tmp_path / "d").eval()
+    loaded = assert_round_trip_decodes_exactly(drafter, target, tmp_path / "d")
     assert loaded.config.depth2_head == 16
-    for name, value in drafter.state_dict().items():
-        assert torch.equal(value, loaded.state_dict()[name]), name
-    ids = torch.randint(4, 128, (1, 9))
-    ref = target.generate(ids, do_sample=False, max_new_tokens=24, pad_token_id=0)
-    assert torch.equal(target.generate(ids, assistant_model=loaded, do_sample=False, max_new_tokens=24,
-                                       pad_token_id=0), ref)
-    batch = torch.zeros(3, 9, dtype=torch.long)
-    mask = torch.zeros_like(batch)
-    for row, length in enumerate((9, 4, 1)):
-        batch[row, 9 - length:], mask[row, 9 - length:] = torch.randint(4, 128, (length,)), 1
-    ref = target.generate(batch, attention_mask=mask, do_sample=False, max_new_tokens=16, pad_token_id=0)
-    out = target.generate(batch, attention_mask=mask, assistant_model=loaded, do_sample=False, max_new_tokens=16,
-                          pad_token_id=0)
-    assert torch.equal(out, ref)
 
 
 def test_a_bad_depth2_width_is_refused_by_name():
