@@ -274,13 +274,14 @@ class TreeSparkDrafter(DrafterSaving, DrafterBinding, DrafterHeads, TreeSparkPre
         hidden = self.norm(block)
         depth2_inputs = None
         if self.depth1_head is not None or self.depth2_head is not None:
-            before = self._features_before(hidden, anchor_positions, target_features, context_cache, context_valid)
+            before = self._standardised(self._features_before(hidden, anchor_positions, target_features,
+                                                              context_cache, context_valid))
+            embed, _, _ = self._target()
+            anchor = embed(anchor_ids).to(hidden.dtype)
             if self.depth2_head is not None and bsz > 1:
-                embed, _, _ = self._target()
-                second = hidden.view(b, num_anchors, bsz, -1)[:, :, 1]
-                depth2_inputs = (self._standardised(before), embed(anchor_ids).to(hidden.dtype), second)
+                depth2_inputs = (before, anchor, hidden.view(b, num_anchors, bsz, -1)[:, :, 1])
             if self.depth1_head is not None:
-                hidden = self._with_depth1_head(hidden, anchor_ids, before)
+                hidden = self._with_depth1_head(hidden, anchor, before)
         logits = None
         if return_logits:
             slots = bsz if logit_slots is None else min(logit_slots, bsz)

@@ -170,11 +170,10 @@ class DrafterHeads:
             return before * (anchor_positions > 0)[:, :, None].to(before.dtype)
         return hidden.new_zeros(b, num_anchors, width)
 
-    def _with_depth1_head(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
-        """`hidden` `[b, A * B, H]` with each block's anchor slot passed through `depth1_head`, which reads `before`
-        (`_features_before`)."""
-        b, num_anchors = anchor_ids.shape
-        embed, _, _ = self._target()
+    def _with_depth1_head(self, hidden: torch.Tensor, anchor: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+        """`hidden` `[b, A * B, H]` with each block's anchor slot passed through `depth1_head`, which reads the anchors'
+        embeddings `anchor` `[b, A, H]` and the standardised features before them, `before` (`_features_before`)."""
+        b, num_anchors = anchor.shape[:2]
         blocks = hidden.view(b, num_anchors, self.config.block_size, -1)
-        first = self.depth1_head(self._standardised(before), embed(anchor_ids).to(hidden.dtype), blocks[:, :, 0])
+        first = self.depth1_head(before, anchor, blocks[:, :, 0])
         return torch.cat([first[:, :, None], blocks[:, :, 1:]], dim=2).view_as(hidden)
