@@ -307,6 +307,8 @@ def test_help_says_which_labels_it_uses():
     (["--sources", "garbage.jsonl"], "garbage.jsonl:2: not a JSON line"),
     (["--sources", "prompts.jsonl"], "prompts.jsonl:1: a chat record needs 'messages' or 'conversations'"),
     (["--sources", "latin1.txt"], "latin1.txt: not UTF-8 text (byte 4)"),
+    (["--device", "gpu"], "--device 'gpu' is not a device: use cpu, cuda or cuda:N"),
+    (["--device", "cuda:7"], "--device cuda:7: this machine has"),
 ])
 def test_bad_arguments_are_refused_before_anything_loads(tmp_path, monkeypatch, argv, message):
     from hf_treespark.training import cli as training_cli
@@ -324,19 +326,28 @@ def test_bad_arguments_are_refused_before_anything_loads(tmp_path, monkeypatch, 
         distill.run(parse("--output-dir", tmp_path / "file"))
 
 
-def test_a_distil_run_trains_saves_and_a_rerun_resumes(tmp_path, monkeypatch, capsys):
+def test_a_distil_run_trains_saves_and_a_rerun_resumes(tmp_path, monkeypatch, capsys, device_under_test):
+    """On the device under test (`TREESPARK_TEST_DEVICE`: the device check runs it on a GPU too)."""
     from hf_treespark import TreeSparkDrafter
     from hf_treespark.training import cli as training_cli
 
     target = make_target("qwen3")
     grow_depth1_head(make_drafter(target), 16).save_pretrained(tmp_path / "drafter")
-    monkeypatch.setattr(training_cli, "load_target", lambda name, with_tokenizer: (target, CharTokenizer()))
+    asked = []
+
+    def load_target(name, with_tokenizer, device):
+        asked.append(device)
+        return target.to(device), CharTokenizer()
+
+    monkeypatch.setattr(training_cli, "load_target", load_target)
     (tmp_path / "a.txt").write_text("the cat sat on the mat. " * 20)
     (tmp_path / "dev.jsonl").write_text(json.dumps({"prompt_ids": [5, 6, 7], "response_ids": [8, 9, 10, 11, 12]}))
     argv = ["--drafter", tmp_path / "drafter", "--sources", tmp_path / "a.txt", "--dev-data", tmp_path / "dev.jsonl",
             "--max-length", 64, "--batch-size", 2, "--train-batch-size", 16, "--buffer-positions", 64,
-            "--max-positions", 200, "--eval-every", 5, "--anchors", "all", "--output-dir", tmp_path / "out"]
+            "--max-positions", 200, "--eval-every", 5, "--anchors", "all", "--device", str(device_under_test),
+            "--output-dir", tmp_path / "out"]
     assert distill.run(parse(*argv)) == 0
+    assert asked == [str(device_under_test)]
     out = capsys.readouterr().out
     assert "200 positions" in out and "resumed" not in out
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]

@@ -198,15 +198,15 @@ def load_target_config(name: str):
     return AutoConfig.from_pretrained(assets.default_target_path() if name == "default" else name)
 
 
-def load_target(name: str, with_tokenizer: bool):
-    """`(target, tokenizer or None)`: the offline default target, or a causal LM by name or path (sdpa)."""
+def load_target(name: str, with_tokenizer: bool, device: str = "cpu"):
+    """`(target, tokenizer or None)` on `device`: the offline default target, or a causal LM by name or path (sdpa)."""
     from .. import assets
 
     if name == "default":
-        return assets.load_default_target()
+        return assets.load_default_target(device=device)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target = AutoModelForCausalLM.from_pretrained(name, attn_implementation="sdpa")
+    target = AutoModelForCausalLM.from_pretrained(name, attn_implementation="sdpa").to(device)
     return target, (AutoTokenizer.from_pretrained(name) if with_tokenizer else None)
 
 

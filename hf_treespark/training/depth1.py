@@ -177,10 +177,11 @@ class PositionShards:
 def reference_positions(target, drafter, ref: ReferenceSequence, chunk: int = 96) -> dict[str, torch.Tensor]:
     """Every response position of `ref`, one tensor per field of `FIELDS` (the drafter's head off): `features`
     `[P, n_layers * d]` (bf16, the target's at `a - 1`), `hidden` `[P, d]` (bf16, `h_1`), `token` and `label` `[P]`."""
-    batch = collate_references([ref], pad_id=0)
+    device = next(target.parameters()).device
+    batch = {k: v.to(device) for k, v in collate_references([ref], pad_id=0).items() if torch.is_tensor(v)}
     ids = batch["input_ids"][0]
     feats, _ = target_features(target, drafter.config.target_layer_ids, batch["input_ids"], batch["attention_mask"])
-    anchors = torch.arange(max(ref.prompt_len, 1), len(ids) - 1)
+    anchors = torch.arange(max(ref.prompt_len, 1), len(ids) - 1, device=device)
     columns = {k: [] for k in FIELDS}
     for start in range(0, len(anchors), chunk):
         a = anchors[start:start + chunk]
@@ -190,7 +191,7 @@ def reference_positions(target, drafter, ref: ReferenceSequence, chunk: int = 96
                                  .to(torch.bfloat16))
         columns["token"].append(ids[a])
         columns["label"].append(ids[a + 1])
-    return {k: torch.cat(v) for k, v in columns.items()}
+    return {k: torch.cat(v).cpu() for k, v in columns.items()}  # shards are written from the CPU
 
 
 @torch.no_grad()
@@ -255,19 +256,21 @@ class Depth1Trainer:
             p.requires_grad_(name.startswith("depth1_head."))
         self.params = [p for p in drafter.depth1_head.parameters()]
         self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
-        index = torch.full((drafter.config.target_vocab_size,), -100, dtype=torch.long)
-        ids = drafter.draft_vocab_ids if drafter.draft_vocab_ids is not None else torch.arange(len(index))
-        index[ids] = torch.arange(ids.numel())
+        device = drafter.fc.weight.device
+        index = torch.full((drafter.config.target_vocab_size,), -100, dtype=torch.long, device=device)
+        ids = drafter.draft_vocab_ids
+        ids = ids if ids is not None else torch.arange(len(index), device=device)
+        index[ids] = torch.arange(ids.numel(), device=device)
         self.draft_index = index
         self.step = 0
         self.embed = drafter._target()[0].weight.detach()
 
     def logits(self, data: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
         drafter = self.drafter
-        dtype = drafter.fc.weight.dtype
-        token = data["token"][rows]
-        hidden = drafter.depth1_head(drafter._standardised(data["features"][rows]), self.embed[token].to(dtype),
-                                     data["hidden"][rows].to(dtype))
+        dtype, device = drafter.fc.weight.dtype, drafter.fc.weight.device  # stored positions may lie on the CPU
+        token = data["token"][rows].to(device)
+        hidden = drafter.depth1_head(drafter._standardised(data["features"][rows].to(device)),
+                                     self.embed[token].to(dtype), data["hidden"][rows].to(device, dtype))
         return drafter.depth_logits(hidden) + drafter.markov_bias(token)
 
     @torch.no_grad()
@@ -276,9 +279,9 @@ class Depth1Trainer:
         self.drafter.eval()
         right = 0
         for i in range(0, len(data["label"]), 2048):
-            rows = torch.arange(i, min(i + 2048, len(data["label"])))
+            rows = torch.arange(i, min(i + 2048, len(data["label"])), device=data["label"].device)
             pred = self.drafter.to_target_ids(self.logits(data, rows).argmax(-1))
-            right += int((pred == data["label"][rows]).sum())
+            right += int((pred == data["label"][rows].to(pred.device)).sum())
         return 100.0 * right / len(data["label"])
 
     def rate(self, total_steps: int) -> float:
@@ -333,7 +336,7 @@ class Depth1Trainer:
         """Run to `total_steps` optimizer steps; every `eval_every` steps (and at the start and the end) append
         `{"step", "positions_seen", "seconds", "<dev name>_top1"...}` to `OUTPUT_DIR/metrics.jsonl`."""
         metrics = self.out / "metrics.jsonl"
-        labels = self.draft_index[data["label"]]
+        labels = self.draft_index[data["label"].to(self.draft_index.device)]
         curve, start, seconds = [], time.time(), 0.0
 
         def record():
@@ -390,7 +393,7 @@ def grow_head(drafter, head: str, width: int, fresh: bool = False):
     from ..configuration import TreeSparkConfig
 
     config = TreeSparkConfig.from_dict({**drafter.config.to_dict(), head: width})
-    grown = type(drafter)(config).to(drafter.fc.weight.dtype)
+    grown = type(drafter)(config).to(device=drafter.fc.weight.device, dtype=drafter.fc.weight.dtype)
     kept = {k: v for k, v in drafter.state_dict().items() if not k.startswith(head + ".")}
     missing, unexpected = grown.load_state_dict(kept, strict=False)
     if unexpected or any(not name.startswith(head + ".") for name in missing):

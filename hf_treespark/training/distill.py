@@ -391,6 +391,9 @@ def add_arguments(p) -> None:
                                       "as train-depth1's)")
     p.add_argument("--eval-every", type=int, default=500, help="optimizer steps between development evaluations")
     p.add_argument("--save-every", type=int, default=500, help="optimizer steps between checkpoints")
+    p.add_argument("--device", default="cpu",
+                   help="where the target, the drafter and the training step run: cpu, cuda or cuda:N (the positions "
+                        "and the shuffle buffer stay there too)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", required=True,
                    help="checkpoint, metrics.jsonl, development positions and the trained drafter (final/); rerun "
@@ -420,7 +423,24 @@ def check_arguments(args) -> list[str]:
                          "runs/treespark/final)")
     if args.dev_data and not Path(args.dev_data).is_file():
         raise ValueError(f"--dev-data {args.dev_data}: no such file")
+    check_device(args.device)
     return check_sources(list(args.sources))
+
+
+def check_device(device: str) -> None:
+    """`--device` names a device torch can use here: cpu, or cuda[:N] with such a GPU present."""
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device {device!r} is not a device: use cpu, cuda or cuda:N") from None
+    if parsed.type == "cpu":
+        return
+    if parsed.type != "cuda":
+        raise ValueError(f"--device {device}: distil runs on cpu or cuda[:N]")
+    count = torch.cuda.device_count()
+    if parsed.index is not None and parsed.index >= count or count == 0:
+        raise ValueError(f"--device {device}: this machine has {count or 'no'} CUDA GPU{'s' * (count != 1)}; use "
+                         "--device cpu" + (f" or cuda:0..{count - 1}" if count else ""))
 
 
 def claim_output_dir(out: Path, run: dict[str, str]) -> None:
@@ -452,8 +472,8 @@ def run(args) -> int:
 
     torch.manual_seed(args.seed)
     out = Path(args.output_dir)
-    target, tokenizer = load_target(args.target, with_tokenizer=True)
-    base = TreeSparkDrafter.from_pretrained(args.drafter or DEFAULT_DRAFTER_DIR, dtype=torch.float32)
+    target, tokenizer = load_target(args.target, with_tokenizer=True, device=args.device)
+    base = TreeSparkDrafter.from_pretrained(args.drafter or DEFAULT_DRAFTER_DIR, dtype=torch.float32).to(args.device)
     stored_dtype = base.config.dtype if isinstance(getattr(base.config, "dtype", None), str) else "bfloat16"
     drafter = grow_depth1_head(base, args.width, fresh=args.fresh_head).bind_target(target).eval()
     block = block_signature(drafter)
