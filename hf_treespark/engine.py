@@ -119,7 +119,7 @@ def expand_pool(drafter, drafted: TreeSparkDrafterOutput, anchor: torch.Tensor, 
     parent_logits = None
     if drafted.depth2_inputs is not None:
         inputs = drafted.depth2_inputs
-        parent_logits = lambda d, parents: drafter.depth2_logits(inputs, parents) if d == 2 else None  # noqa: E731
+        parent_logits = lambda d, parents, rows: drafter.depth2_logits(inputs, parents, rows) if d == 2 else None  # noqa: E731
     return expand_tree(drafted.depth_logits, drafter.markov_bias, anchor, policy, drafter.draft_vocab_ids, stop_budget,
                        drafter.markov_bias_rows, parent_logits)
 

@@ -134,18 +134,26 @@ class DrafterHeads:
             raise ValueError("this drafter has no confidence head (config.use_confidence_head=False)")
         return self.confidence_head(hidden, self.markov_head.markov_w1(parent_tokens))
 
-    def depth2_logits(self, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                      parent_tokens: torch.Tensor) -> torch.Tensor:
+    def depth2_logits(self, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], parent_tokens: torch.Tensor,
+                      rows: torch.Tensor | None = None) -> torch.Tensor:
         """The second depth's logits given each parent, in float32: `lm_head(h_2(y))[S] + W2(W1[y])`.
 
         `inputs`: a pass's `TreeSparkDrafterOutput.depth2_inputs` (standardised features before the anchor `[b, A, F]`,
         the anchor's embedding and the slot's state `[b, A, H]`); `parent_tokens` `[b, P]` target ids, with `A = 1`
-        (every parent of one block) or `A = P` (one parent per block) -> `[b, P, |S|]`.
+        (every parent of one block) or `A = P` (one parent per block) -> `[b, P, |S|]`. With `rows` (`[b, M]`
+        draft-vocabulary entries, a tree's shortlist) only those entries: `[b, P, M]`, reading `M` rows of the LM
+        head and of `W2` instead of all `|S|` (27 MB per round in bf16 for the shipped vocabulary).
         """
         features, anchor, hidden = inputs
-        embed, _, _ = self._target()
+        embed, _, draft_head = self._target()
         state = self.depth2_head(features, anchor, embed(parent_tokens).to(hidden.dtype), hidden)
-        return self.depth_logits(state) + self.markov_bias(parent_tokens)
+        if rows is None:
+            return self.depth_logits(state) + self.markov_bias(parent_tokens)
+        weight = draft_head.weight[rows]  # [b, M, H]
+        logits = torch.matmul(state.to(weight.dtype), weight.transpose(1, 2))
+        if draft_head.bias is not None:
+            logits = logits + draft_head.bias[rows][:, None, :]
+        return logits.float() + self.markov_bias_rows(parent_tokens, rows)
 
     def _features_before(self, hidden: torch.Tensor, anchor_positions: torch.Tensor,
                          target_features: torch.Tensor | None, context_cache: DrafterContextCache | None,

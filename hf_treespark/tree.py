@@ -206,7 +206,8 @@ def build_tree(
 def expand_tree(depth_logits, markov_bias, root_tokens: torch.Tensor, policy: TreePolicy,
                 vocab_ids: torch.Tensor | None = None, stop_budget: int | None = None,
                 markov_rows: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                parent_logits: Callable[[int, torch.Tensor], torch.Tensor | None] | None = None) -> Candidates:
+                parent_logits: Callable[[int, torch.Tensor, torch.Tensor | None], torch.Tensor | None] | None = None
+                ) -> Candidates:
     """The candidate pool: frontier expansion over `policy.expanded_depth` depths (no packing yet).
 
     Scores: `score(n) = score(parent) + log p_d(token(n) | token(parent))`, with
@@ -227,8 +228,10 @@ def expand_tree(depth_logits, markov_bias, root_tokens: torch.Tensor, policy: Tr
     budget `<= M` packs exactly the tree of the full pool. Each depth skipped saves one Markov-head
     product (the largest part of the tree's cost). Training replay expands every depth.
 
-    Parent logits (`parent_logits(d, parent_tokens [b, P]) -> [b, P, |S|]` or None, a drafter's depth-2 head): a depth
-    for which it returns a tensor takes its logits from it, whole rows, instead of `U_d + W2(W1[y])`.
+    Parent logits (`parent_logits(d, parent_tokens [b, P], rows) -> [b, P, |S|]` or None, a drafter's depth-2 head): a
+    depth for which it returns a tensor takes its logits from it instead of `U_d + W2(W1[y])`. With a shortlist, `rows`
+    are the depth's `M` shortlisted entries and it returns their logits only (`[b, P, M]`; the rest of the vocabulary
+    enters the log-sum-exp at `U_d`, as above); without one, `rows` is None and it returns whole rows.
     """
     b = root_tokens.shape[0]
     device = root_tokens.device
@@ -248,15 +251,15 @@ def expand_tree(depth_logits, markov_bias, root_tokens: torch.Tensor, policy: Tr
     front_cand = torch.full((b, 1), -1, dtype=torch.long, device=device)
     offset = 0
     for d in range(1, depths_to_expand + 1):  # deeper candidates could never be packed
-        given = parent_logits(d, front_tok) if parent_logits is not None else None
-        if given is not None or shortlist is None:
+        rows = None if shortlist is None else shortlist[1][:, d - 1]  # [b, M]
+        given = parent_logits(d, front_tok, rows) if parent_logits is not None else None
+        if shortlist is None:
             z = given if given is not None else depth_logits[:, d - 1, None, :].float() + markov_bias(front_tok)
             top_z, top_tok = z.topk(k, dim=-1)  # [b, P, k] indices into the draft vocabulary
             log_norm = z.logsumexp(dim=-1, keepdim=True)
         else:
-            short_z, short_rows, rest = shortlist
-            rows = short_rows[:, d - 1]  # [b, M]
-            z = short_z[:, d - 1, None, :] + markov_rows(front_tok, rows)  # [b, P, M]
+            short_z, _, rest = shortlist
+            z = given if given is not None else short_z[:, d - 1, None, :] + markov_rows(front_tok, rows)  # [b, P, M]
             top_z, top_at = z.topk(k, dim=-1)
             top_tok = rows[:, None, :].expand(-1, z.shape[1], -1).gather(2, top_at)
             log_norm = torch.logaddexp(z.logsumexp(dim=-1, keepdim=True), rest[:, d - 1, None, None])

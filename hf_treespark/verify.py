@@ -8,6 +8,7 @@ prefix and to its own root-to-node path.
 from __future__ import annotations
 
 import inspect
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -43,9 +44,24 @@ def grouped_sdpa_attention(module, query, key, value, attention_mask, dropout: f
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     stacked = query.reshape(b, heads // groups, groups * q, dim)
-    mask = attention_mask[:, :, :, : key.shape[2]].repeat(1, 1, groups, 1)
+    mask = _grouped_mask(attention_mask, key.shape[2], groups)
     out = F.scaled_dot_product_attention(stacked, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
     return out.reshape(b, heads, q, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+_LAST_MASK = threading.local()  # the last mask `_grouped_mask` repeated, with its inputs (one per thread)
+
+
+def _grouped_mask(mask: torch.Tensor, key_len: int, groups: int) -> torch.Tensor:
+    """`mask[..., :key_len]` repeated once per query head of a group (`[b, 1, groups * q, key_len]`), made once per
+    forward: every layer gets the same mask tensor, and repeating it 30 times cost 3% of a tree verify of SmolLM2-135M
+    (measured on the 2-core bf16 CPU). The cache holds the mask itself, so a new mask is never mistaken for it."""
+    last = getattr(_LAST_MASK, "entry", None)
+    if last is not None and last[0] is mask and last[1:4] == (mask._version, key_len, groups):
+        return last[4]
+    repeated = mask[:, :, :, :key_len].repeat(1, 1, groups, 1)
+    _LAST_MASK.entry = (mask, mask._version, key_len, groups, repeated)
+    return repeated
 
 
 def _register_grouped_sdpa() -> bool:

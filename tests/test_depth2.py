@@ -63,6 +63,29 @@ def test_the_tree_scores_depth_two_with_the_head_given_each_parent():
         assert not torch.allclose(u2.log_softmax(-1)[0], rows, atol=1e-3)
 
 
+def test_with_a_shortlist_the_head_scores_the_shortlisted_entries_only():
+    """`depth2_logits(..., rows)` equals the whole rows' logits at those entries, and a shortlisted tree takes its
+    depth-2 children from them, scored `z - logaddexp(logsumexp(z), rest)` as every shortlisted depth is."""
+    target = make_target("qwen3")
+    drafter = grow_head(make_drafter(target), "depth2_head", 24).bind_target(target).eval()
+    with torch.no_grad():
+        drafter.depth2_head.out.weight.normal_(0.0, 0.5)
+    ids, feats = context(target, drafter, seed=5)
+    size = drafter.draft_vocab_size
+    policy = TreePolicy(topk=3, frontier=2, budget=12, depth=3, shortlist=size // 2)
+    with torch.no_grad():
+        drafted, pool = pool_of(drafter, ids, feats, policy)
+        parents = pool.tokens[:, (pool.depths[0] == 1).nonzero().flatten()[:2]]
+        rows = drafted.depth_logits[:, 1].float().topk(policy.shortlist, dim=-1).indices  # U_2's shortlist
+        whole = drafter.depth2_logits(drafted.depth2_inputs, parents)
+        short = drafter.depth2_logits(drafted.depth2_inputs, parents, rows)
+        assert short.shape == (1, 2, policy.shortlist)
+        assert torch.allclose(short, whole.gather(2, rows[:, None, :].expand(-1, 2, -1)), atol=1e-4)
+        second = (pool.depths[0] == 2).nonzero().flatten()
+        chosen = set(drafter.to_target_ids(rows[0]).tolist())
+        assert set(pool.tokens[0, second].tolist()) <= chosen
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_a_drafter_with_a_trained_depth2_head_round_trips_and_decodes_exactly(arch, tmp_path):
     """A head that matters survives save/load, and greedy decoding with it, batch 1 and a ragged batch, is plain
