@@ -188,6 +188,23 @@ def test_chat_files_label_their_assistant_turns_and_text_files_every_position(to
             assert f"chats.jsonl:1#{w}" not in cut
 
 
+def test_regenerated_answers_label_their_response_tokens_whatever_the_positions(tokenizer, tmp_path):
+    """A regeneration file (the target's own answers, tokenised) is a source: the prompt is context, every response
+    token an anchor, in windows like any text; `--positions all` changes nothing there."""
+    regen = tmp_path / "references.jsonl"
+    regen.write_text(json.dumps({"prompt_ids": [5, 6, 7], "response_ids": [8, 9, 10, 11]}) + "\n"
+                     + json.dumps({"prompt_ids": [], "response_ids": [12, 13]}) + "\n")
+    for positions in ("assistant", "all"):
+        sequences = list(text_sequences([str(regen)], tokenizer, positions, 512))
+        assert [s.id for s in sequences] == ["references.jsonl:1#0", "references.jsonl:2#0"]
+        assert sequences[0].input_ids == [5, 6, 7, 8, 9, 10, 11]
+        assert sequences[0].labelled == [False] * 3 + [True] * 4
+        assert sequences[1].labelled == [False, True]  # position 0 has no features before it
+    windows = list(text_sequences([str(regen)], tokenizer, "assistant", 3))  # a window's first position: context
+    assert [(w.id, w.input_ids, w.labelled) for w in windows] == [
+        ("references.jsonl:1#1", [8, 9, 10], [False, True, True]), ("references.jsonl:2#0", [12, 13], [False, True])]
+
+
 def test_sharegpt_is_distilled_whole_and_never_from_the_heldout_band(tokenizer, monkeypatch):
     def conversation(p):
         return {"id": f"r{p}", "conversations": [{"from": "human", "value": f"question {p}"},
@@ -288,7 +305,7 @@ def test_help_says_which_labels_it_uses():
     parser = argparse.ArgumentParser()
     distill.add_arguments(parser)
     text = " ".join(parser.format_help().split())
-    assert "the target's argmax at each position of the given text, teacher-forced; not generated responses" in text
+    assert "the target's argmax at each position of the given text, teacher-forced (nothing is generated)" in text
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -305,7 +322,8 @@ def test_help_says_which_labels_it_uses():
     (["--drafter", "."], "has no config.json"),
     (["--dev-data", "missing.jsonl"], "missing.jsonl: no such file"),
     (["--sources", "garbage.jsonl"], "garbage.jsonl:2: not a JSON line"),
-    (["--sources", "prompts.jsonl"], "prompts.jsonl:1: a chat record needs 'messages' or 'conversations'"),
+    (["--sources", "prompts.jsonl"], "prompts.jsonl:1: a record needs 'messages' or 'conversations' (a chat)"),
+    (["--sources", "regen.jsonl"], "regen.jsonl:1: 'response_ids' must be a list of token ids"),
     (["--sources", "latin1.txt"], "latin1.txt: not UTF-8 text (byte 4)"),
     (["--device", "gpu"], "--device 'gpu' is not a device: use cpu, cuda or cuda:N"),
     (["--device", "cuda:7"], "--device cuda:7: this machine has"),
@@ -317,6 +335,7 @@ def test_bad_arguments_are_refused_before_anything_loads(tmp_path, monkeypatch, 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "garbage.jsonl").write_text(json.dumps({"messages": []}) + "\n{not json\n")
     (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "hi"}) + "\n")
+    (tmp_path / "regen.jsonl").write_text(json.dumps({"prompt_ids": [1, 2], "response_ids": "3 4"}) + "\n")
     (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
     with pytest.raises(ValueError, match=re.escape(message)):
         distill.run(parse("--output-dir", tmp_path / "out", *argv))

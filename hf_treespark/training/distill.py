@@ -44,7 +44,7 @@ from .depth1 import (
 )
 from .distill_sources import POSITIONS, SHAREGPT, TextSequence, check_sources, sources_fingerprint, text_sequences
 
-LABELS = "the target's argmax at each position of the given text, teacher-forced; not generated responses"
+LABELS = "the target's argmax at each position of the given text, teacher-forced (nothing is generated)"
 HELP = "train a drafter's depth-1 head on positions distilled from any text (resumable; see --help)"
 
 
@@ -362,7 +362,8 @@ def add_arguments(p) -> None:
     p.add_argument("--sources", nargs="+", default=[SHAREGPT],
                    help=f"the text to distil, in this order; labels: {LABELS}. 'sharegpt': the packaged ShareGPT "
                         "conversations, whole, in the target's chat template (never the held-out records "
-                        "12,000-13,999); .txt files (every position); .jsonl[.gz] chats (messages or conversations)")
+                        "12,000-13,999); .txt files (every position); .jsonl[.gz] chats (messages or conversations) "
+                        "or regenerated answers (prompt_ids, response_ids: the response's tokens are the anchors)")
     p.add_argument("--positions", choices=POSITIONS, default="assistant",
                    help="the positions of a chat that are labelled: its assistant turns' tokens (what the drafter "
                         "drafts), or all")

@@ -5,7 +5,8 @@
               held-out band (12,000-13,999) that the bench, the development set and calibration read
     .txt      plain UTF-8 text, tokenised without special tokens: every position is an anchor (text has no turns)
     .jsonl    chat records (`.jsonl.gz` compressed), `messages` ({role, content}) or `conversations` ({from, value}),
-              in the target's chat template
+              in the target's chat template; or regenerated answers (`prompt_ids`, `response_ids`: the target's own,
+              already tokenised), whose anchors are the response's tokens whatever `positions` says
 
 In a chat, the anchors are the tokens of the assistant turns' text (`positions="assistant"`, what the drafter
 drafts: not the template's headers nor the end-of-turn token, so a turn's last anchor is labelled with what ends
@@ -25,7 +26,7 @@ from pathlib import Path
 
 from .. import assets
 from ..records import json_records
-from .data import _alternating_messages, _chat_to_messages
+from .data import _alternating_messages, _chat_to_messages, _int_list
 
 SHAREGPT = "sharegpt"
 POSITIONS = ("assistant", "all")
@@ -58,7 +59,7 @@ def check_sources(sources: list[str]) -> list[str]:
         if source.endswith(".txt"):
             _read_text(Path(source))
         else:
-            for _ in json_records(Path(source), _chat_messages):
+            for _ in json_records(Path(source), _jsonl_record):
                 pass
     return sources
 
@@ -75,11 +76,14 @@ def text_sequences(sources: list[str], tokenizer, positions: str = "assistant",
         elif source.endswith(".txt"):
             yield from _windows(Path(source).name, *_render_text(tokenizer, Path(source)), max_length)
         else:
-            for line_no, (_, messages) in json_records(Path(source), _chat_messages):
-                try:
-                    ids, labelled = render_chat(tokenizer, messages, positions)
-                except ValueError as e:
-                    raise ValueError(f"{source}:{line_no}: {e}") from None
+            for line_no, (_, (messages, tokens)) in json_records(Path(source), _jsonl_record):
+                if tokens is not None:
+                    ids, labelled = tokens
+                else:
+                    try:
+                        ids, labelled = render_chat(tokenizer, messages, positions)
+                    except ValueError as e:
+                        raise ValueError(f"{source}:{line_no}: {e}") from None
                 yield from _windows(f"{Path(source).name}:{line_no}", ids, labelled, max_length)
 
 
@@ -94,10 +98,21 @@ def _sharegpt_conversations() -> Iterator[tuple[str, list[dict[str, str]]]]:
             yield f"{record.get('id')}@{position}", messages
 
 
+def _jsonl_record(record: dict) -> tuple[list[dict[str, str]] | None, tuple[list[int], list[bool]] | None]:
+    """A `.jsonl` source's record: `(messages, None)` for a chat, `(None, (ids, labelled))` for a regenerated answer
+    (`prompt_ids` + `response_ids`, the response's tokens the anchors)."""
+    if "response_ids" in record or "prompt_ids" in record:
+        prompt, response = _int_list(record, "prompt_ids"), _int_list(record, "response_ids")
+        ids = prompt + response
+        return None, (ids, [a > 0 and a >= len(prompt) for a in range(len(ids))])
+    return _chat_messages(record), None
+
+
 def _chat_messages(record: dict) -> list[dict[str, str]]:
     field = next((key for key in ("messages", "conversations") if key in record), None)
     if field is None:
-        raise ValueError("a chat record needs 'messages' or 'conversations'; it has "
+        raise ValueError("a record needs 'messages' or 'conversations' (a chat) or 'prompt_ids' and 'response_ids' "
+                         "(a regenerated answer); it has "
                          f"{', '.join(sorted(record)) or 'no fields'}")
     return _chat_to_messages(record[field])
 
