@@ -178,7 +178,7 @@ def reference_positions(target, drafter, ref: ReferenceSequence, chunk: int = 96
     """Every response position of `ref`, one tensor per field of `FIELDS` (the drafter's head off): `features`
     `[P, n_layers * d]` (bf16, the target's at `a - 1`), `hidden` `[P, d]` (bf16, `h_1`), `token` and `label` `[P]`."""
     device = next(target.parameters()).device
-    batch = {k: v.to(device) for k, v in collate_references([ref], pad_id=0).items() if torch.is_tensor(v)}
+    batch = {k: v.to(device) for k, v in collate_references([ref], pad_id=0).items()}
     ids = batch["input_ids"][0]
     feats, _ = target_features(target, drafter.config.target_layer_ids, batch["input_ids"], batch["attention_mask"])
     anchors = torch.arange(max(ref.prompt_len, 1), len(ids) - 1, device=device)
