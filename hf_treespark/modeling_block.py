@@ -76,11 +76,17 @@ class DrafterContextCache:
     Only committed positions live here; the block's own keys/values are never cached. A batch whose rows have
     different context lengths (`batch.py`) keeps `valid` (`[b, S]` bool): which entries are real; the others
     (padding) are hidden from the block's attention. None: every entry is real.
+
+    Each layer's entries sit at the start of a preallocated buffer with room to grow (`with_block`): a pass writes
+    the new context and then its block's keys/values in place after them and attends over one view, instead of
+    copying the whole context twice a layer (appending, then joining the block). Measured on the 2-core bf16 CPU, a
+    pass over 170 context positions copied 0.9 ms of its 7.4 ms this way, over 500 (a pasted document) 3-5 ms.
     """
 
     def __init__(self, num_layers: int):
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
+        self._buffers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers  # see `_room`
         self.last_context: torch.Tensor | None = None  # `[b, 1, H]` projected context of the newest position
         self.last_features: torch.Tensor | None = None  # `[b, 1, F]` raw target features of the newest position
         self.valid: torch.Tensor | None = None
@@ -113,11 +119,54 @@ class DrafterContextCache:
                 self.keys[i], self.values[i] = keys[..., :length, :], values[..., :length, :]
 
     def append(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.keys[layer_idx] is not None:
-            keys = torch.cat([self.keys[layer_idx], keys], dim=-2)
-            values = torch.cat([self.values[layer_idx], values], dim=-2)
-        self.keys[layer_idx], self.values[layer_idx] = keys, values
-        return keys, values
+        """Add new context entries `[b, kv_heads, s, head_dim]` to a layer; returns all its entries."""
+        return self.with_block(layer_idx, keys, values, None, None)
+
+    def with_block(self, layer_idx: int, keys: torch.Tensor | None, values: torch.Tensor | None,
+                   block_keys: torch.Tensor | None, block_values: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's entries with the new context `keys`/`values` appended (kept) and the block's own keys/values
+        after them (not kept: the next pass writes over them), as views of the layer's buffer: `[b, kv_heads, S + s
+        + B, head_dim]`. Either pair may be None."""
+        new = [t for t in (keys, block_keys) if t is not None]
+        length = self.get_layer_length(layer_idx)
+        if not new:
+            return self.keys[layer_idx], self.values[layer_idx]
+        added = keys.shape[-2] if keys is not None else 0
+        end = length + added + (block_keys.shape[-2] if block_keys is not None else 0)
+        buf_k, buf_v = self._room(layer_idx, end, new[0])
+        for start, k, v in ((length, keys, values), (length + added, block_keys, block_values)):
+            if k is not None:
+                buf_k[:, :, start: start + k.shape[-2]] = k
+                buf_v[:, :, start: start + k.shape[-2]] = v
+        self.keys[layer_idx], self.values[layer_idx] = buf_k[:, :, :length + added], buf_v[:, :, :length + added]
+        return buf_k[:, :, :end], buf_v[:, :, :end]
+
+    def get_layer_length(self, layer_idx: int) -> int:
+        keys = self.keys[layer_idx]
+        return 0 if keys is None else keys.shape[-2]
+
+    def _room(self, layer_idx: int, needed: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's buffers, `[b, kv_heads, capacity >= needed, head_dim]`, holding its entries at their start: the
+        current ones while `keys[layer_idx]` is still their view (`crop` keeps it one; `select` and `keep_rows` make
+        new tensors), else new ones, twice as large as needed, with the entries copied in."""
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        buffers = self._buffers[layer_idx]
+        if buffers is not None:
+            buf_k = buffers[0]
+            is_view = keys is None or (keys.data_ptr() == buf_k.data_ptr() and keys.stride() == buf_k.stride()
+                                       and keys.shape[:2] == buf_k.shape[:2] and keys.dtype == buf_k.dtype)
+            if (is_view and buf_k.shape[-2] >= needed and buf_k.shape[:2] == like.shape[:2]
+                    and buf_k.dtype == like.dtype and buf_k.device == like.device):
+                return buffers
+        b, heads, _, dim = like.shape
+        buf_k = like.new_empty(b, heads, max(2 * needed, 64), dim)
+        buf_v = torch.empty_like(buf_k)
+        if keys is not None:
+            buf_k[:, :, :keys.shape[-2]] = keys
+            buf_v[:, :, :keys.shape[-2]] = values
+        self._buffers[layer_idx] = (buf_k, buf_v)
+        return buf_k, buf_v
 
 
 @dataclass
@@ -234,24 +283,22 @@ class TreeSparkAttention(nn.Module):
         query = self.q_norm(self.q_proj(block).view(b, q, self.num_heads, self.head_dim)).transpose(1, 2)
         query = apply_rotary(query, *block_rope)
         block_k, block_v = self._kv(block, *block_rope)
-        if context is not None:
-            ctx_k, ctx_v = self._kv(context, *context_rope)
-            if cache is not None:
-                ctx_k, ctx_v = cache.append(self.layer_idx, ctx_k, ctx_v)
-        elif cache is not None and cache.keys[self.layer_idx] is not None:
-            ctx_k, ctx_v = cache.keys[self.layer_idx], cache.values[self.layer_idx]
-        else:
-            ctx_k = ctx_v = None
+        ctx_k, ctx_v = self._kv(context, *context_rope) if context is not None else (None, None)
         groups = self.num_heads // self.num_kv_heads
         if isinstance(attention_mask, BlockTrainingMask):  # training: many blocks, each sees only itself
+            if cache is not None and ctx_k is not None:
+                ctx_k, ctx_v = cache.append(self.layer_idx, ctx_k, ctx_v)
             out = block_training_attention(query, ctx_k, ctx_v, block_k, block_v, attention_mask, groups)
         else:
-            if ctx_k is not None:
-                block_k = torch.cat([ctx_k, block_k], dim=-2)
-                block_v = torch.cat([ctx_v, block_v], dim=-2)
-            block_k = block_k.repeat_interleave(groups, dim=1)
-            block_v = block_v.repeat_interleave(groups, dim=1)
-            out = F.scaled_dot_product_attention(query, block_k, block_v, attn_mask=attention_mask)  # [b, h, q, hd]
+            if cache is not None:  # [cached context ; new context ; block], written in place (`with_block`)
+                block_k, block_v = cache.with_block(self.layer_idx, ctx_k, ctx_v, block_k, block_v)
+            elif ctx_k is not None:
+                block_k, block_v = torch.cat([ctx_k, block_k], dim=-2), torch.cat([ctx_v, block_v], dim=-2)
+            # Grouped-query attention without repeating the keys: each key/value head's query heads are stacked
+            # (`[b, kv_heads, groups * q, hd]`), the same products as repeating every key and value `groups` times.
+            grouped = query.reshape(b, self.num_kv_heads, groups * q, self.head_dim)
+            out = F.scaled_dot_product_attention(grouped, block_k, block_v, attn_mask=attention_mask)
+            out = out.view(b, self.num_heads, q, self.head_dim)
         return self.o_proj(out.transpose(1, 2).reshape(b, q, self.num_heads * self.head_dim))
 
 

@@ -150,8 +150,10 @@ def greedy_accept(tree: DraftTree, logits: torch.Tensor) -> Acceptance:
     The bonus is the target's choice at the deepest accepted node.
     """
     # In float32, as plain decoding picks (transformers upcasts the step's logits): the same values, so the same
-    # first maximum, and 3x faster than a bfloat16 argmax on a CPU (0.28 vs 0.89 ms over [9, 49152], measured).
-    target = logits.float().argmax(dim=-1)  # [b, N + 1]
+    # first maximum. `max(dim).indices` is that first maximum too (as `argmax`), and on a CPU it is the faster
+    # kernel: over [17, 49152] bfloat16 logits, upcast and max 0.34 ms against 0.79 ms with `argmax` (and 1.7 ms
+    # for a bfloat16 argmax), measured on the 2-core Intel bf16 machine.
+    target = logits.float().max(dim=-1).indices  # [b, N + 1]
     parent_choice = target.gather(1, tree.parents.clamp(min=0))
     correct = (tree.tokens == parent_choice) | (tree.parents < 0)  # [b, N + 1]
     accepted = ~(tree.ancestors & ~correct[:, None, :]).any(dim=-1)  # [b, N + 1]

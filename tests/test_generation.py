@@ -13,7 +13,7 @@ import hf_treespark
 from hf_treespark import TreeSparkDrafter
 from hf_treespark.exactness import check_greedy_equivalence
 from hf_treespark.generation import TreeSparkCandidateGenerator, resolve_gate
-from hf_treespark.tree import TreePolicy, build_tree
+from hf_treespark.tree import DraftTree, TreePolicy, build_tree
 from hf_treespark.verify import (
     commit_cache,
     greedy_accept,
@@ -503,3 +503,24 @@ def test_offline_default_target_with_untrained_drafter():
         ref = target.generate(**inputs, do_sample=False, max_new_tokens=16)
         out = target.generate(**inputs, assistant_model=drafter, do_sample=False, max_new_tokens=16)
         assert torch.equal(out, ref)
+
+
+def test_greedy_walk_breaks_ties_at_the_first_maximum_as_plain_decoding():
+    """The walk's choice after each node is the first maximum of its float32 logits, as plain greedy's argmax:
+    in bfloat16, logits tie often, and a walk that broke ties otherwise would commit other tokens."""
+    torch.manual_seed(0)
+    n, vocab = 4, 5000
+    chain = torch.arange(n + 1)[None]
+    logits = torch.randn(1, n + 1, vocab).bfloat16()
+    top = logits.float().max(dim=-1).values
+    for i, tied in enumerate([(7, 3000), (4999, 2), (10, 11), (0, 4999), (123, 456)]):
+        for token in tied:  # a tie at the maximum, the later index first in the list
+            logits[0, i, token] = top[0, i]
+    expected = logits.float().argmax(dim=-1)
+    assert expected[0].tolist() == [7, 2, 10, 0, 123]
+    tokens = torch.cat([torch.tensor([[5]]), expected[:, :-1]], dim=1)  # each node is its parent's choice
+    tree = DraftTree(tokens=tokens, parents=chain - 1, depths=chain, scores=torch.zeros(1, n + 1),
+                     ancestors=torch.ones(n + 1, n + 1, dtype=torch.bool).tril()[None], candidates=None)
+    acceptance = greedy_accept(tree, logits)
+    assert int(acceptance.num_accepted[0]) == n
+    assert acceptance.tokens[0, : n + 1].tolist() == expected[0].tolist()  # the accepted chain, then the bonus
