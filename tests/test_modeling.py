@@ -229,6 +229,30 @@ def test_cached_drafting_equals_uncached_block_attention(drafting_pair):
     assert torch.allclose(cached.depth_logits, full.depth_logits, atol=1e-4)
 
 
+def test_a_context_cache_that_grows_past_its_buffer_drafts_as_the_uncached_drafter(drafting_pair):
+    """Many passes, each bringing a few new context positions or none (then the cache's newest entries are the ones
+    the previous pass's block wrote over): every cached draft equals the uncached one of its anchor, also after the
+    cache's buffers had to grow (they start with room for 64 entries) and after a crop."""
+    target, drafter = drafting_pair
+    drafter.bind_target(target)
+    ids = torch.randint(4, 100, (1, 96))
+    feats, _ = target_features(target, drafter.config.target_layer_ids, ids, torch.ones_like(ids))
+    cache, seen = drafter.new_context_cache(), 0
+    with torch.no_grad():
+        for anchor in [5, 5, 8, 9, 9, 30, 31, 33, 62, 63, 63, 70, 90, 91]:
+            if anchor == 62:  # keep the first 25 positions only, as a crop would
+                cache.crop(25)
+                seen = 25
+            new = feats[:, seen:anchor] if anchor > seen else None
+            cached = drafter(anchor_ids=ids[:, anchor:anchor + 1], anchor_positions=torch.tensor([[anchor]]),
+                             target_features=new, context_cache=cache)
+            seen = max(seen, anchor)
+            full = drafter(anchor_ids=ids[:, anchor:anchor + 1], anchor_positions=torch.tensor([[anchor]]),
+                           target_features=feats[:, :anchor], context_positions=torch.arange(anchor)[None])
+            assert cache.get_seq_length() == anchor
+            assert torch.allclose(cached.depth_logits, full.depth_logits, atol=1e-4), anchor
+
+
 def test_training_blocks_each_equal_a_cached_draft_of_their_anchor(drafting_pair):
     """Many anchors per sequence (training's block attention, which never scores a block against another
     block's keys) give each block what one cached inference draft of that anchor gives."""
