@@ -1,19 +1,23 @@
 """Issue 43, the depth-2 pathway: does a depth-2 head, given the parent the tree put at depth 1, predict depth 2
 better than the shipped drafter's `U_2 + W2(W1[y])`?
 
-    extract OUT --start S --stop E   positions of the references S..E-1 of the shared own-response data, resumable
+    extract OUT --start S --stop E [--data FILE ...]
+                                     positions of the references S..E-1 of the shared own-response data (or of the
+                                     regenerated `.jsonl`/`.jsonl.gz` files given), resumable
                                      (OUT/progress.json): per anchor a, the target features at a - 1, the block states
                                      h_1 (depth-1 head on) and h_2, x0 = ids[a], the parent y = ids[a + 1] and the
                                      label ids[a + 2]; bf16 shards of 20k positions
     train TRAIN DEV --variant B --steps N [--lr --width --weight-decay]
-                                     a head on TRAIN's positions; teacher-forced depth-2 top-1 on DEV every 500 steps
-                                     (step 0: the shipped drafter's U_2 + Markov). Variants: B = the package's
+                                     a head on TRAIN's positions (one directory, or several joined by commas);
+                                     teacher-forced depth-2 top-1 on DEV every 500 steps (step 0: the shipped
+                                     drafter's U_2 + Markov). Variants: B = the package's
                                      `Depth2Head` ([norm(fc(f)), e(x0), e(y), h_2]); A = [fc(f), e(y), h_2];
                                      C = A + e(x0) + h_1. Saves the head beside TRAIN as head_<variant>_<width>.pt
     ship HEAD --width W --output DIR the shipped drafter grown with a trained variant-B head, saved to DIR
 
-Data: `load_references(max_length=512)` over SHARED/data/*.jsonl (environment SHARED, default ../shared): the
-target's own greedy answers. One heavy process; run it alone. Measured runs: docs/training.md (The depth-2 head).
+Data: `load_references(max_length=512)` over SHARED/data/*.jsonl (environment SHARED, default ../shared), or the
+files given to `--data` (for example the repository's `training_data/*.jsonl.gz`): the target's own greedy answers.
+One heavy process; run it alone. Measured runs: docs/training.md (The depth-2 head).
 """
 
 from __future__ import annotations
@@ -61,12 +65,13 @@ def models():
 
 
 @torch.no_grad()
-def extract(out: str, start: int, stop: int, shard: int = 20000):
+def extract(out: str, start: int, stop: int, data: list[str] | None = None, shard: int = 20000):
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     prog = out / "progress.json"
     state = json.loads(prog.read_text()) if prog.exists() else {"next": start, "shards": 0, "positions": 0}
-    refs = load_references(sorted(str(p) for p in (SHARED / "data").glob("*.jsonl")), max_length=512)
+    data = data or sorted(str(p) for p in (SHARED / "data").glob("*.jsonl"))
+    refs = load_references(data, max_length=512)
     target, drafter = models()
     B = drafter.config.block_size
     cols = {k: [] for k in ("f", "h1", "h2", "x0", "y", "label")}
@@ -103,9 +108,10 @@ def count_positions(path: Path) -> int:
         return f.get_slice("y").get_shape()[0]
 
 
-def load(directory: str, limit: int | None = None, skip: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
-    """Every shard's positions (the first `limit`), one tensor per field but `skip`, allocated once."""
-    shards = sorted(Path(directory).glob("shard_*.safetensors"))
+def load(directories: str, limit: int | None = None, skip: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """Every shard's positions (the first `limit`) of the comma-separated `directories`, in order, one tensor per
+    field but `skip`, allocated once."""
+    shards = [path for d in directories.split(",") for path in sorted(Path(d).glob("shard_*.safetensors"))]
     data, at = None, 0
     for path in shards:
         part = {k: v for k, v in load_file(str(path)).items() if k not in skip}
@@ -217,7 +223,7 @@ def train(train_dir: str, dev_dir: str, variant: str, steps: int, lr: float = 1e
         if step % 500 == 0 or step == steps:
             print(json.dumps({"variant": variant, "step": step, "loss": round(loss.item(), 3),
                               "dev_top1": round(top1(), 2), "s": round(time.time() - began)}), flush=True)
-    torch.save(head.state_dict(), Path(train_dir).parent / f"head_{variant}_{width}.pt")
+    torch.save(head.state_dict(), Path(train_dir.split(",")[0]).parent / f"head_{variant}_{width}.pt")
 
 
 def main() -> None:
@@ -227,8 +233,11 @@ def main() -> None:
     e.add_argument("output", type=output_dir)
     e.add_argument("--start", type=at_least(0), required=True)
     e.add_argument("--stop", type=at_least(1), required=True)
+    e.add_argument("--data", type=existing_file, nargs="+", help="regenerated references (default: the shared "
+                   "own-response data)")
     t = sub.add_parser("train")
-    t.add_argument("train_dir", type=existing_dir)
+    t.add_argument("train_dir", type=lambda v: ",".join(existing_dir(d) for d in v.split(",")),
+                   help="a directory of extracted shards, or several joined by commas")
     t.add_argument("dev_dir", type=existing_dir)
     t.add_argument("--variant", choices=("A", "B", "C"), default="B")
     t.add_argument("--steps", type=at_least(1), default=4800)
@@ -241,7 +250,7 @@ def main() -> None:
     s.add_argument("--output", type=output_dir, required=True)
     args = p.parse_args()
     if args.command == "extract":
-        extract(args.output, args.start, args.stop)
+        extract(args.output, args.start, args.stop, args.data)
     elif args.command == "train":
         train(args.train_dir, args.dev_dir, args.variant, args.steps, args.lr, args.width,
               weight_decay=args.weight_decay)

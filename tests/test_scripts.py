@@ -262,3 +262,34 @@ def test_distil_compare_sources_refuses_bad_arguments_before_loading(tmp_path, c
         "no dev positions": (["100", "10", "1e-3", own, tmp_path / "nodev"], ["nodev", "no such file"]),
     }[case]
     assert_refused(run_script(tmp_path, "distil_compare_sources.py", *args), *expected)
+
+
+def checkout_rows(label: str, spec_s: float) -> str:
+    """Rows of `compare_checkouts.py run` for one checkout: two prompts, plain 10 tokens in 1 s, speculative 10 in
+    `spec_s` s."""
+    return "".join(json.dumps({"label": label, "suite": "copy", "prompt": i, "plain_s": 1.0, "plain_n": 10,
+                               "spec_s": spec_s, "spec_n": 10, "plain": [1] * 10, "spec": [1] * 10}) + "\n"
+                   for i in range(2))
+
+
+def test_compare_checkouts_reports_each_checkout_and_their_ratio(tmp_path):
+    results = write(tmp_path / "results.jsonl", checkout_rows("old", 0.5) + checkout_rows("new", 0.4))
+    done = run_script(tmp_path, "compare_checkouts.py", "report", results)
+    assert done.returncode == 0, done.stderr
+    assert "| copy | old | 2 | 10.0 | 20.0 | 2.00x |" in done.stdout
+    assert "| copy | new | 2 | 10.0 | 25.0 | 2.50x |" in done.stdout
+    assert "| copy | 1.250 | 1.250 (0.000) |" in done.stdout
+
+
+@pytest.mark.parametrize("case", ["missing", "garbage", "other rows", "unknown suite"])
+def test_compare_checkouts_refuses_bad_input_before_loading(tmp_path, case):
+    other = write(tmp_path / "other.jsonl", json.dumps({"label": "old", "suite": "copy"}) + "\n")
+    garbage = write(tmp_path / "garbage.jsonl", "hello\n")
+    prompts = write(tmp_path / "prompts.json", "{}")
+    args, expected = {
+        "missing": (["report", tmp_path / "nothing.jsonl"], ["results", "no such file"]),
+        "garbage": (["report", garbage], [f"{garbage}:1:", "not a JSON object"]),
+        "other rows": (["report", other], [f"{other}:1:", "missing prompt"]),
+        "unknown suite": (["run", prompts, "nope", "old", tmp_path / "r.jsonl"], ["suite", "'nope'"]),
+    }[case]
+    assert_refused(run_script(tmp_path, "compare_checkouts.py", *args), *expected)
