@@ -182,7 +182,7 @@ class Round:
     tree: DraftTree
     acceptance: Acceptance
     num_accepted: int
-    verify_seconds: float | None = None  # a probe's target forward alone (`TreeSparkSession.step(probe=True)`)
+    verify_seconds: float | None = None  # the target forward alone (a probe's; every round's on a CPU)
     kind: str = "drafter"  # one of `ROUND_KINDS`: what proposed this round's tree
 
     @property
@@ -414,12 +414,14 @@ class TreeSparkSession:
     @torch.no_grad()
     def step(self, ids: torch.Tensor, probe: bool = False) -> Round:
         """One round for the sequence `ids` (`[1, T]`, last token `x0`): draft, verify, accept, commit. A `probe`
-        verifies the root alone, a plain step, and times its target forward (`Round.verify_seconds`)."""
+        verifies the root alone, a plain step. A probe's target forward is timed (`Round.verify_seconds`), and every
+        round's on a CPU, where the clock needs no synchronisation."""
         tree = self.draft(ids, probe)
+        timed = probe or tree.tokens.device.type == "cpu"
         with self._phase("verify"):
-            began = synchronised_clock(tree.tokens.device) if probe else 0.0
+            began = synchronised_clock(tree.tokens.device) if timed else 0.0
             verified = self.verify(tree)
-            seconds = synchronised_clock(tree.tokens.device) - began if probe else None
+            seconds = synchronised_clock(tree.tokens.device) - began if timed else None
         with self._phase("walk"):
             acceptance = self.accept(tree, verified.logits, ids)
             num_accepted = int(acceptance.num_accepted[0])

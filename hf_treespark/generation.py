@@ -172,7 +172,7 @@ def treespark_decoding(
         seconds = time.perf_counter() - began
         rounds.append(RoundRecord.of(rnd, new_tokens[0].tolist(), tree_record, seconds))
         if guard is not None:
-            guard.observe(rnd.verify_seconds if probe else seconds, new_tokens.shape[1], probe)
+            guard.observe(rnd.verify_seconds if probe else seconds, new_tokens.shape[1], probe, rnd.verify_seconds)
 
     if streamer is not None and not handed_off:  # transformers' loop ended the stream it took over
         streamer.end()

@@ -68,8 +68,9 @@ def test_tree_guard_values():
 
 
 def always_slower() -> CallGuard:
-    """A guard that hands off right after its first probe: any TreeSpark pace counts as slower."""
-    return CallGuard(window=2, probes=1, margin=-1.0, checks=1, skip=0)
+    """A guard that hands off right after its first probe: any TreeSpark pace counts as slower (and no stretch is
+    faster beyond doubt, however its verify forwards compare)."""
+    return CallGuard(window=2, probes=1, margin=-1.0, checks=1, skip=0, verify_bound=float("inf"))
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -170,3 +171,34 @@ def test_a_probe_is_timed_by_its_target_forward_alone(monkeypatch):
     assert sum(r.tree_size == 0 for r in out.rounds) == 2 and len(guard.probe_rounds) == 2
     assert all(0 < seconds < 0.05 for seconds, _ in guard.probe_rounds)  # the forward, not the sleeping commit
     assert all(seconds >= 0.05 for seconds, _ in guard.rounds)
+
+
+def test_a_stretch_faster_beyond_doubt_skips_its_probes_and_any_other_is_probed():
+    """A stretch whose pace beats its median verify forward over `verify_bound` (a one-token forward costs at least
+    that) is judged faster without probes; a stretch short of it, or one whose verify forwards were not timed (CUDA),
+    is probed."""
+    guard = CallGuard(window=3, probes=2, margin=0.05, checks=2, skip=0, recheck=2, verify_bound=2.0)
+    for _ in range(3):  # 0.05 s per token; verify forwards of 0.12 s: a plain step costs at least 0.06 s
+        guard.observe(0.20, 4, probe=False, verify_seconds=0.12)
+    assert not guard.probing and guard.judgements == [pytest.approx((0.05, None))] and not guard.probe_rounds
+    for _ in range(6):  # the next stretch is twice as long; 0.06 s per token is not beyond doubt against 0.06
+        guard.observe(0.18, 3, probe=False, verify_seconds=0.12)
+    assert guard.probing and len(guard.judgements) == 1
+    guard.observe(0.05, 1, probe=True)
+    guard.observe(0.05, 1, probe=True)  # probed: 0.06 against 0.05 s per token, slower
+    assert guard.judgements[-1] == pytest.approx((0.06, 0.05)) and not guard.should_hand_off
+    for _ in range(3):  # fast again, but untimed verify forwards (a CUDA call): probed
+        guard.observe(0.20, 4, probe=False, verify_seconds=None)
+    assert guard.probing
+
+
+def test_a_slower_stretch_is_never_judged_without_probes():
+    """However its verify forwards were timed, a stretch slower than plain steps meets its probes, and two such
+    judgements hand the call off."""
+    guard = CallGuard(window=2, probes=1, margin=0.05, checks=2, skip=0, verify_bound=2.0)
+    for _ in range(2):
+        for _ in range(2):
+            guard.observe(0.30, 1, probe=False, verify_seconds=0.25)
+        assert guard.probing
+        guard.observe(0.10, 1, probe=True)
+    assert guard.should_hand_off and [plain for _, plain in guard.judgements] == [0.10, 0.10]
