@@ -81,7 +81,7 @@ class CallGuard:
         self.verify_bound = verify_bound
         self.rounds: list[tuple[float, int]] = []  # (seconds, tokens) of TreeSpark rounds
         self.probe_rounds: list[tuple[float, int]] = []  # (seconds, tokens) of root-only rounds
-        self.judgements: list[tuple[float, float]] = []
+        self.judgements: list[tuple[float, float | None]] = []
         self._stretch: list[tuple[float, int]] = []  # judged rounds since the last judgement
         self._stretch_probes: list[tuple[float, int]] = []
         self._stretch_verify: list[float | None] = []  # the stretch's verify forwards' seconds (None: not timed)
