@@ -499,19 +499,11 @@ def run(args: argparse.Namespace) -> int:
         if args.push_to_hub:
             commit = push_trained_drafter(drafter, args.push_to_hub, out / "final")
             print(f"[push] uploaded to {getattr(commit, 'commit_url', None) or args.push_to_hub}")
-    end_processes(accelerator)
+    # every rank waits for the main one to save (a rank that left with the process group open could abort at exit),
+    # then trackers are finished and the group closed
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
     return 0
-
-
-def end_processes(accelerator) -> None:
-    """Several processes (torchrun): every rank waits for the main one to save, then the process group is closed.
-    A rank that left while the group was open could abort at exit (its communication threads still running)."""
-    import torch.distributed as dist
-
-    if accelerator.num_processes > 1:
-        accelerator.wait_for_everyone()
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:

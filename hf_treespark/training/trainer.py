@@ -385,8 +385,6 @@ class Trainer(TrainerCheckpoints):
                     break
         bar.close()
         seconds = time.perf_counter() - start_time
-        if cfg.tensorboard:
-            acc.end_training()
         return {"steps": self.step - start_step, "seconds": seconds, "last": last}
 
     def set_dev_set(self, references) -> None:
