@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -533,3 +534,66 @@ def test_a_run_resumed_with_another_lr_follows_the_new_peak_on_the_same_schedule
     changed.train(resume=False, progress=False, stop_after=1)
     kept.train(resume=False, progress=False, stop_after=1)
     assert changed.scheduler.get_last_lr()[0] == pytest.approx(kept.scheduler.get_last_lr()[0] / 4)
+
+
+class _Planted:
+    """A pickle that, when unpickled, creates the file `marker` (what an attacker's code would do)."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.mark.parametrize("planted", ["custom_checkpoint_0.pkl", "random_states_0.pkl", "optimizer.bin",
+                                     "scheduler.bin"])
+def test_a_resumed_run_never_executes_a_pickle_planted_in_its_checkpoint(tmp_path, planted):
+    """A checkpoint file replaced by a pickle that runs code: resuming either never reads it or refuses it by
+    name; the code never runs."""
+    trainer = tiny_trainer(tmp_path / "run", max_steps=3)
+    trainer.train(resume=False, progress=False)
+    checkpoint = trainer.latest_checkpoint()
+    marker = tmp_path / "executed"
+    torch.save({"state": _Planted(marker)}, checkpoint / planted)
+    again = tiny_trainer(tmp_path / "run", max_steps=4)
+    try:
+        resumed = again.resume()
+    except RuntimeError as err:
+        assert str(checkpoint / planted) in str(err) and "refused" in str(err)
+    else:
+        assert resumed and again.step == 3
+    assert not marker.exists()
+
+
+def test_a_checkpoint_holds_no_pickle_of_the_trainers_own_state(tmp_path):
+    """The schedule's state is JSON in the checkpoint, not a pickle that resuming would have to trust."""
+    trainer = tiny_trainer(tmp_path, max_steps=3)
+    trainer.train(resume=False, progress=False)
+    checkpoint = trainer.latest_checkpoint()
+    assert not list(checkpoint.glob("custom_checkpoint_*"))
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    assert state["scheduler"]["last_epoch"] == 3
+
+
+@pytest.mark.parametrize("planted", [False, True])
+def test_a_checkpoint_of_an_earlier_version_resumes_its_schedule_and_refuses_a_planted_one(tmp_path, planted):
+    """Earlier versions kept the schedule in accelerate's `custom_checkpoint_0.pkl`: it is read as plain values
+    (`weights_only`), and a pickle that would run code there is refused by name."""
+    trainer = tiny_trainer(tmp_path / "run", max_steps=3)
+    trainer.train(resume=False, progress=False)
+    checkpoint = trainer.latest_checkpoint()
+    state_file = checkpoint / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    scheduler = state.pop("scheduler")
+    state_file.write_text(json.dumps(state))
+    marker = tmp_path / "executed"
+    torch.save(_Planted(marker) if planted else scheduler, checkpoint / "custom_checkpoint_0.pkl")
+    again = tiny_trainer(tmp_path / "run", max_steps=6)
+    if planted:
+        with pytest.raises(RuntimeError, match=rf"{checkpoint / 'custom_checkpoint_0.pkl'} was refused"):
+            again.resume()
+        assert not marker.exists()
+    else:
+        assert again.resume() and again.scheduler.last_epoch == 3
+        assert again.scheduler.get_last_lr() == trainer.scheduler.get_last_lr()

@@ -4,11 +4,18 @@
 a crash anywhere leaves the previous checkpoints untouched. `TrainerCheckpoints` (a mixin of `Trainer`) saves,
 finds the latest complete checkpoint and resumes from it, refusing one of another configuration (preset, data
 position fields, drafter architecture) before loading, naming what differs.
+
+Nothing in a checkpoint is unpickled: a checkpoint directory may come from someone else, and a pickle runs code.
+The weights are safetensors, the run state and the learning-rate schedule JSON (`trainer_state.json`), and the
+files accelerate writes with `torch.save` (optimizer, RNG states, a gradient scaler) are read with
+`weights_only=True` forced for every load (`TORCH_FORCE_WEIGHTS_ONLY_LOAD`); one that needs more is refused by name.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -59,7 +66,7 @@ class TrainerCheckpoints:
 
         def write_run_state(tmp: Path) -> None:
             state = {"step": self.step, "anchors_seen": self.anchors_seen, "config": _jsonable(self.config),
-                     "drafter_config": self._drafter_fields()}
+                     "drafter_config": self._drafter_fields(), "scheduler": _scheduler_state(self.scheduler)}
             # the whole drafter config, for `treespark export` (training.export)
             self.unwrapped_drafter().config.to_json_file(str(tmp / "drafter_config.json"))
             (tmp / "trainer_state.json").write_text(json.dumps(state))
@@ -123,12 +130,37 @@ class TrainerCheckpoints:
                              f"{'; '.join(conflicts)}). That checkpoint is intact. To train these settings, use "
                              "another output directory (--output-dir); to resume that run, start it again with its "
                              f"own settings{own}.")
+        scheduler_state = state.get("scheduler")
+        custom = sorted(path.glob("custom_checkpoint_*"))
+        if scheduler_state is not None and custom:
+            raise RuntimeError(f"checkpoint file {custom[0]} was refused: this version writes no such file (the "
+                               "schedule is in trainer_state.json), so something else put it there. hf_treespark "
+                               f"never unpickles checkpoint state; move {path} out of {self.checkpoint_dir} to resume "
+                               "from the checkpoint before it.")
+        if scheduler_state is None:  # a checkpoint of an earlier version: the schedule in accelerate's pickle
+            scheduler_state = _load_weights_only(path / "custom_checkpoint_0.pkl")
+            custom_objects = getattr(self.accelerator, "_custom_objects", None)
+            if custom_objects is not None:  # accelerate loads only as many custom checkpoints as are registered
+                custom_objects.append(self.scheduler)
         try:
-            self.accelerator.load_state(str(path))
+            with _weights_only_loads():
+                self.accelerator.load_state(str(path), load_kwargs={"weights_only": True})
+            self.scheduler.load_state_dict(scheduler_state)
         except Exception as err:
+            refused = _refused_pickle(path) if "weights only" in str(err).lower() else None
+            if refused is not None:
+                raise RuntimeError(f"checkpoint file {refused} was refused: it holds a pickle of more than tensors "
+                                   "and plain values, which loading would have to execute. hf_treespark never "
+                                   "unpickles checkpoint state; if you did not write this file, do not trust the "
+                                   f"checkpoint. Move {path} out of {self.checkpoint_dir} to resume from the "
+                                   "checkpoint before it.") from err
             raise RuntimeError(f"checkpoint {path} cannot be loaded ({err}). If it is damaged (an interrupted write, "
                                f"a full disk), move it out of {self.checkpoint_dir} and start again: training "
                                "resumes from the checkpoint before it.") from err
+        finally:
+            custom_objects = getattr(self.accelerator, "_custom_objects", [])
+            if self.scheduler in custom_objects:
+                custom_objects.remove(self.scheduler)
         self.step = int(state["step"])
         self.anchors_seen = int(state.get("anchors_seen", 0))
         if self.accelerator.is_main_process:
@@ -165,10 +197,60 @@ def _checked_trainer_state(state) -> dict:
             raise ValueError(f"{key!r} is {value!r}, not a count")
     if "step" not in state:
         raise ValueError("no 'step'")
-    for key in ("config", "drafter_config"):
+    for key in ("config", "drafter_config", "scheduler"):
         if key in state and not isinstance(state[key], dict):
             raise ValueError(f"{key!r} is a JSON {type(state[key]).__name__}, not an object")
     return state
+
+
+def _scheduler_state(scheduler) -> dict:
+    """The schedule's `state_dict` as JSON values (step counts, learning rates); raises `TypeError` if it holds
+    anything else, rather than saving what could not be restored."""
+    return json.loads(json.dumps(scheduler.state_dict()))
+
+
+@contextlib.contextmanager
+def _weights_only_loads():
+    """Every `torch.load` inside loads with `weights_only=True`, whatever its caller passes: tensors, containers
+    and plain values only, no code run."""
+    saved = {name: os.environ.pop(name, None)
+             for name in ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")}
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            os.environ.pop(name, None)
+            if value is not None:
+                os.environ[name] = value
+
+
+def _load_weights_only(path: Path):
+    """`path` loaded with `weights_only=True` (numpy arrays allowed, as accelerate saves RNG states);
+    `RuntimeError` naming the file if it is missing or holds more than tensors and plain values."""
+    from accelerate.utils import load
+
+    try:
+        with _weights_only_loads():
+            return load(str(path), map_location="cpu", weights_only=True)
+    except FileNotFoundError as err:
+        raise RuntimeError(f"checkpoint file {path} is missing: the checkpoint is incomplete. Move "
+                           f"{path.parent} aside to resume from the checkpoint before it.") from err
+    except Exception as err:
+        raise RuntimeError(f"checkpoint file {path} was refused: it cannot be loaded as tensors and plain values "
+                           f"({str(err).splitlines()[0]}); hf_treespark never unpickles checkpoint state. Move "
+                           f"{path.parent} aside to resume from the checkpoint before it.") from err
+
+
+def _refused_pickle(checkpoint: Path) -> Path | None:
+    """The first file of `checkpoint` saved by `torch.save` that `weights_only=True` refuses, if any."""
+    for path in sorted(checkpoint.iterdir()):
+        if path.suffix in (".bin", ".pkl", ".pt", ".pth"):
+            try:
+                _load_weights_only(path)
+            except RuntimeError:
+                return path
+    return None
 
 
 def _jsonable(config) -> dict:

@@ -224,8 +224,9 @@ class Trainer(TrainerCheckpoints):
                                          self.total_steps, config.min_lr_ratio)
         # The schedule is defined in optimizer steps of the global batch: keep it out of `prepare`
         # (accelerate would step it once per process) and step it with the optimizer ourselves.
+        # Its state is saved as JSON in `trainer_state.json` (`TrainerCheckpoints`), never as a pickle: not
+        # registered with accelerate, whose custom-object checkpoints are unpickled without `weights_only`.
         self.objective, self.optimizer = self.accelerator.prepare(self.objective, self.optimizer)
-        self.accelerator.register_for_checkpointing(self.scheduler)
         self.feature_cache = None
         if config.feature_cache:
             signature = cache_signature(self.target, drafter.config.target_layer_ids)
