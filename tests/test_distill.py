@@ -263,8 +263,13 @@ def test_streamed_training_learns_and_a_stopped_run_resumes_at_its_stream_positi
     real = distill.distil_batch
     monkeypatch.setattr(distill, "distil_batch",
                         lambda t, d, batch, **kw: distilled.extend(batch) or real(t, d, batch, **kw))
+    windows = resumed.stream["buffer"]["windows"]
+    replayed, first = sum(count for _, count, _ in windows), windows[0][0]
     curve = distil_stream(target, again, iter(sequences), resumed, dev, config, progress=False)
-    assert distilled[0].id == sequences[at].id  # the stream goes on where the checkpoint says
+    # the windows whose positions the shuffle buffer held are distilled again, then the stream goes on where the
+    # checkpoint says
+    assert [s.id for s in distilled[:replayed]] == [s.id for s in sequences[first:at]]
+    assert distilled[replayed].id == sequences[at].id
     assert resumed.stream["positions_seen"] == 600 and resumed.step == math.ceil(3.0 * 600 / 32)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["step"] == 0 and rows[-1] == curve[-1] and rows[-1]["step"] == resumed.step
@@ -404,3 +409,93 @@ def test_the_throughput_script_times_each_phase_of_a_batch(grown):
     assert row["positions"] == 3 * 23 and row["tokens"] == 3 * 24
     assert all(row[k] > 0 for k in ("target", "drafter", "train", "end_to_end"))
     assert row["end_to_end"] < min(row["target"], row["drafter"], row["train"])
+
+
+def test_an_interrupted_streamed_run_resumes_with_its_shuffle_buffer_and_ends_as_an_uninterrupted_one(tmp_path):
+    """The positions in the shuffle buffer at the checkpoint are not lost: the resumed run refills the buffer with
+    them (re-distilling their windows, not counting them again) and trains on what the uninterrupted run would."""
+    target = make_target("qwen3")
+    sequences = motif_sequences(40)
+
+    def fresh():
+        return grow_depth1_head(make_drafter(target), 32).bind_target(target).eval()
+
+    config = StreamConfig(batch_size=4, buffer_positions=256, passes=3.0, max_positions=600, eval_every=1000,
+                          save_every=10, anchors="all")
+    dev = {"dev": distil_batch(target, fresh(), sequences[:4], anchors="all")}
+    whole = DistilTrainer(fresh(), tmp_path / "whole", fingerprint="f", lr=3e-3, batch_size=32, warmup=5)
+    distil_stream(target, whole.drafter, iter(sequences), whole, dev, config, progress=False)
+
+    def crashing():
+        for i, sequence in enumerate(sequences):
+            if i == 22:
+                raise KeyboardInterrupt
+            yield sequence
+
+    first = DistilTrainer(fresh(), tmp_path / "run", fingerprint="f", lr=3e-3, batch_size=32, warmup=5)
+    with pytest.raises(KeyboardInterrupt):
+        distil_stream(target, first.drafter, crashing(), first, dev, config, progress=False)
+    resumed = DistilTrainer(fresh(), tmp_path / "run", fingerprint="f", lr=3e-3, batch_size=32, warmup=5)
+    assert resumed.resume() and resumed.step % 10 == 0 and resumed.step > 0
+    distil_stream(target, resumed.drafter, iter(sequences), resumed, dev, config, progress=False)
+    assert resumed.step == whole.step and resumed.stream["positions_seen"] == whole.stream["positions_seen"] == 600
+    for key, value in whole.drafter.depth1_head.state_dict().items():
+        assert torch.allclose(resumed.drafter.depth1_head.state_dict()[key], value, atol=1e-6, rtol=0), key
+
+
+def _cli_argv(tmp_path, source: Path, *extra) -> list:
+    return ["--drafter", tmp_path / "drafter", "--sources", source, "--dev-data", tmp_path / "dev.jsonl",
+            "--max-length", 64, "--batch-size", 2, "--train-batch-size", 16, "--buffer-positions", 64,
+            "--max-positions", 200, "--eval-every", 5, "--anchors", "all", "--output-dir", tmp_path / "out", *extra]
+
+
+@pytest.fixture
+def cli_files(tmp_path, monkeypatch):
+    """A saved tiny drafter, a development file and the tiny target behind `load_target`."""
+    from hf_treespark.training import cli as training_cli
+
+    target = make_target("qwen3")
+    grow_depth1_head(make_drafter(target), 16).save_pretrained(tmp_path / "drafter")
+    monkeypatch.setattr(training_cli, "load_target", lambda name, with_tokenizer, device: (target, CharTokenizer()))
+    (tmp_path / "dev.jsonl").write_text(json.dumps({"prompt_ids": [5, 6, 7], "response_ids": [8, 9, 10, 11, 12]}))
+    return tmp_path
+
+
+@pytest.mark.parametrize("stored", [False, True])
+def test_a_distil_run_with_nothing_to_learn_from_fails_and_saves_nothing(cli_files, stored):
+    """Sources that yield no labelled position used to end in exit 0 and an untrained `final/`."""
+    tmp_path = cli_files
+    (tmp_path / "empty.txt").write_text("")
+    extra = ("--max-disk-gb", 1) if stored else ()
+    with pytest.raises(ValueError, match=re.escape(f"no position to learn from in --sources {tmp_path / 'empty.txt'}")):
+        distill.run(parse(*_cli_argv(tmp_path, tmp_path / "empty.txt", *extra)))
+    assert not (tmp_path / "out" / "final").exists()
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{", "is not JSON"), ("[1]", "holds a JSON list, not an object"),
+    ('{"mode": "streamed", "sources": 3, "drafter": "x"}', "field 'sources' is 3, not a fingerprint"),
+    (b"\xff", "is not UTF-8 text"),
+])
+def test_a_damaged_distil_json_is_refused_naming_the_file_and_the_field(cli_files, content, message):
+    tmp_path = cli_files
+    (tmp_path / "a.txt").write_text("the cat sat on the mat. " * 20)
+    (tmp_path / "out").mkdir()
+    path = tmp_path / "out" / "distil.json"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(ValueError, match=re.escape(str(path)) + ".*" + re.escape(message)):
+        distill.run(parse(*_cli_argv(tmp_path, tmp_path / "a.txt")))
+
+
+def test_a_disk_budget_too_small_for_one_step_says_what_the_run_needs(cli_files):
+    tmp_path = cli_files
+    (tmp_path / "a.txt").write_text("the cat sat on the mat. " * 20)
+    with pytest.raises(ValueError) as refused:
+        distill.run(parse(*_cli_argv(tmp_path, tmp_path / "a.txt", "--max-disk-gb", 1e-9)))
+    text = str(refused.value)
+    drafter = grow_depth1_head(make_drafter(make_target("qwen3")), 16)
+    each = position_bytes(drafter)
+    assert f"--max-disk-gb 1e-09 holds 0 positions of {each:,} bytes" in text
+    assert f"--train-batch-size 16 needs at least {16 * each / 1e9:.3g} GB" in text
+    assert f"--max-positions 200 needs {200 * each / 1e9:.3g} GB" in text
+    assert not (tmp_path / "out" / "final").exists() and not (tmp_path / "out" / "positions").exists()

@@ -319,7 +319,12 @@ def distil_stream(target, drafter, sequences: Iterable[TextSequence], trainer: D
                desc="distilling the depth-1 head", disable=not progress)
     if trainer.step == 0 and stream["positions_seen"] == 0:
         record()
-    batches = _batched(islice(sequences, stream["sequences_done"], None), config.batch_size)
+    began = time.perf_counter()
+    source = _refill(buffer, iter(sequences), stream, target, drafter, config.anchors)
+    since["eval"] += time.perf_counter() - began  # re-distilling what the checkpoint held is not throughput
+    while buffer.size and stream["credit"] >= 1 and trainer.step < total:
+        step()  # the steps owed to the forward the checkpoint was written in, as the interrupted run took them
+    batches = _batched(source, config.batch_size)
     while stream["positions_seen"] < config.max_positions:
         batch = next(batches, None)
         if batch is None:
@@ -327,6 +332,7 @@ def distil_stream(target, drafter, sequences: Iterable[TextSequence], trainer: D
         room = config.max_positions - stream["positions_seen"]
         columns = {k: v[:room] for k, v in distil_batch(target, drafter, batch, seconds=phases,
                                                                       anchors=config.anchors).items()}
+        _remember(stream["buffer"], buffer, stream["sequences_done"], len(batch), len(columns["label"]))
         buffer.add(columns)
         n = len(columns["label"])
         stream["sequences_done"] += len(batch)
@@ -344,6 +350,40 @@ def distil_stream(target, drafter, sequences: Iterable[TextSequence], trainer: D
     bar.close()
     trainer.drafter.eval()
     return curve
+
+
+def _remember(kept: dict, buffer: PositionBuffer, first: int, count: int, positions: int) -> None:
+    """Note in `kept` (the checkpoint's `stream["buffer"]`) that windows `first .. first + count - 1` are about to
+    add `positions` positions to `buffer`, and forget the oldest windows none of whose positions the ring holds
+    after that: `kept["windows"]` lists `[first window, windows, positions]` per forward, oldest first, and
+    `kept["cursor"]` is the ring slot where the oldest one's positions began."""
+    if not kept["windows"]:
+        kept["cursor"] = buffer.cursor
+    kept["windows"].append([first, count, positions])
+    while sum(n for _, _, n in kept["windows"][1:]) >= buffer.capacity:
+        _, _, dropped = kept["windows"].pop(0)
+        kept["cursor"] = (kept["cursor"] + min(dropped, buffer.capacity)) % buffer.capacity
+
+
+def _refill(buffer: PositionBuffer, sequences: Iterator[TextSequence], stream: dict, target, drafter,
+            anchors: str) -> Iterator[TextSequence]:
+    """Put back into `buffer` the positions it held at the checkpoint `stream` comes from, by distilling again the
+    windows `stream["buffer"]` lists, into the same ring slots; they are not counted again. Returns `sequences`
+    advanced to the first window not yet distilled (`stream["sequences_done"]`). A checkpoint without the list
+    (an earlier version) starts with an empty buffer."""
+    kept = stream.setdefault("buffer", {"windows": [], "cursor": 0})
+    if not kept["windows"]:
+        return islice(sequences, stream["sequences_done"], None)
+    first = kept["windows"][0][0]
+    if first + sum(count for _, count, _ in kept["windows"]) != stream["sequences_done"]:
+        raise ValueError(f"the checkpoint's shuffle buffer lists windows {first}.. that do not end at window "
+                         f"{stream['sequences_done']:,}, where its stream stopped: the checkpoint is damaged")
+    source = islice(sequences, first, None)
+    buffer.cursor = kept["cursor"]
+    for _, count, positions in kept["windows"]:
+        batch = list(islice(source, count))
+        buffer.add({k: v[:positions] for k, v in distil_batch(target, drafter, batch, anchors=anchors).items()})
+    return source
 
 
 # ----- the command --------------------------------------------------------------------------------------------
@@ -450,7 +490,8 @@ def claim_output_dir(out: Path, run: dict[str, str]) -> None:
     path, flags = out / "distil.json", {"mode": "--max-disk-gb (stored or streamed)", "drafter": "--drafter or --width",
                                         "sources": "--sources, --positions, --anchors, --max-length or --target"}
     if path.is_file():
-        changed = [flags[k] for k, v in run.items() if json.loads(path.read_text()).get(k) != v]
+        saved = _read_run_file(path, run)
+        changed = [flags[k] for k, v in run.items() if saved.get(k) != v]
         if changed:
             raise ValueError(f"{out} holds a distil run of other {'; '.join(changed)}: give the same options to "
                              "resume it, or another --output-dir")
@@ -459,6 +500,25 @@ def claim_output_dir(out: Path, run: dict[str, str]) -> None:
         raise ValueError(f"{out} holds another kind of run (no distil.json): give another --output-dir")
     out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(run))
+
+
+def _read_run_file(path: Path, run: dict[str, str]) -> dict:
+    """`path` (a `distil.json`) as an object whose fields of `run` are strings; `ValueError` naming the file, and
+    the field where one is wrong, otherwise."""
+    fix = (f"If the file is damaged, delete it (the run in {path.parent} then resumes only with its own options) "
+           "or give another --output-dir.")
+    try:
+        saved = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not UTF-8 text (byte {err.start}). {fix}") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not JSON ({err.msg}, line {err.lineno}). {fix}") from None
+    if not isinstance(saved, dict):
+        raise ValueError(f"{path} holds a JSON {type(saved).__name__}, not an object. {fix}")
+    for key in run:
+        if key in saved and not isinstance(saved[key], str):
+            raise ValueError(f"{path}: field {key!r} is {saved[key]!r}, not a fingerprint (a string). {fix}")
+    return saved
 
 
 def run(args) -> int:
@@ -477,6 +537,8 @@ def run(args) -> int:
     base = TreeSparkDrafter.from_pretrained(args.drafter or DEFAULT_DRAFTER_DIR, dtype=torch.float32).to(args.device)
     stored_dtype = base.config.dtype if isinstance(getattr(base.config, "dtype", None), str) else "bfloat16"
     drafter = grow_depth1_head(base, args.width, fresh=args.fresh_head).bind_target(target).eval()
+    if args.max_disk_gb:
+        check_disk_budget(args, drafter)
     block = block_signature(drafter)
     signature = block + ("-fresh" if args.fresh_head else "")
     text = sources_fingerprint(sources, args.positions, args.max_length, tokenizer)
@@ -489,20 +551,43 @@ def run(args) -> int:
     dev = {"dev": {k: v.to(drafter.fc.weight.device) for k, v in dev_shards.load().items()}}
     sequences = text_sequences(sources, tokenizer, args.positions, args.max_length)
     if args.max_disk_gb:
-        _train_stored(args, target, drafter, sequences, dev, PositionShards(out / "positions", f"{signature}-{text}"))
+        learned = _train_stored(args, target, drafter, sequences, dev,
+                                PositionShards(out / "positions", f"{signature}-{text}"))
     else:
-        _train_streamed(args, target, drafter, sequences, dev, f"{signature}-{text}")
+        learned = _train_streamed(args, target, drafter, sequences, dev, f"{signature}-{text}")
+    if not learned:
+        raise ValueError(f"no position to learn from in --sources {' '.join(args.sources)}: they hold no labelled "
+                         f"position (--positions {args.positions}, --anchors {args.anchors}; empty files, chats "
+                         "without an assistant turn, or text whose every token disagrees with the target's argmax "
+                         "under --anchors agreeing). Nothing was trained or saved; give other sources.")
     final = out / "final"
     drafter.save_pretrained(final, dtype=getattr(torch, stored_dtype))
     print(f"[distil] saved {final}")
     return 0
 
 
-def _train_streamed(args, target, drafter, sequences: Iterator[TextSequence], dev: dict, fingerprint: str) -> None:
+def check_disk_budget(args, drafter) -> None:
+    """`ValueError` saying what the run needs when `--max-disk-gb` cannot hold one optimizer step's positions."""
+    each = position_bytes(drafter)
+    limit = int(args.max_disk_gb * 1e9 // each)
+    if limit >= args.train_batch_size:
+        return
+    step_gb, all_gb = args.train_batch_size * each / 1e9, args.max_positions * each / 1e9
+    raise ValueError(f"--max-disk-gb {args.max_disk_gb:g} holds {limit:,} positions of {each:,} bytes each (the "
+                     f"features of {drafter.config.num_target_features} target layers and the drafter's state, in "
+                     f"bf16): --train-batch-size {args.train_batch_size} needs at least {step_gb:.3g} GB, and "
+                     f"--max-positions {args.max_positions:,} needs {all_gb:.3g} GB. Give --max-disk-gb "
+                     f"{all_gb:.3g} (or at least {step_gb:.3g}), or leave it out to stream the positions through "
+                     "the shuffle buffer (nothing stored).")
+
+
+def _train_streamed(args, target, drafter, sequences: Iterator[TextSequence], dev: dict, fingerprint: str) -> int:
+    """Train on the positions streamed from `sequences`; returns how many were distilled in all."""
     trainer = DistilTrainer(drafter, args.output_dir, fingerprint, lr=args.lr, batch_size=args.train_batch_size,
                             seed=args.seed)
-    stream = trainer.stream
-    if trainer.resume():
+    resumed = trainer.resume()
+    stream = trainer.stream  # the checkpoint's, when resumed
+    if resumed:
         print(f"[distil] resumed at step {trainer.step}: window {stream['sequences_done']:,} of the sources, "
               f"{stream['positions_seen']:,} positions distilled")
     config = StreamConfig(batch_size=args.batch_size, buffer_positions=args.buffer_positions, passes=args.passes,
@@ -516,12 +601,17 @@ def _train_streamed(args, target, drafter, sequences: Iterator[TextSequence], de
     if stream["positions_seen"] < args.max_positions:
         print(f"[distil] the sources ran out before --max-positions {args.max_positions:,}: the learning rate stopped "
               "before the end of its schedule (give --max-positions the positions the sources hold)")
+    return stream["positions_seen"]
 
 
-def _train_stored(args, target, drafter, sequences: Iterator[TextSequence], dev: dict, shards: PositionShards) -> None:
+def _train_stored(args, target, drafter, sequences: Iterator[TextSequence], dev: dict, shards: PositionShards) -> int:
+    """Store the positions distilled from `sequences` within `--max-disk-gb`, then train on them; returns how many
+    were stored (0: nothing trained)."""
     limit = min(args.max_positions, int(args.max_disk_gb * 1e9 // position_bytes(drafter)))
     state = distil_to_shards(target, drafter, sequences, shards, limit, batch_size=args.batch_size,
                              anchors=args.anchors)
+    if not state["positions"]:
+        return 0
     print(f"[distil] {state['positions']:,} positions stored in {shards.directory} "
           f"({state['positions'] * position_bytes(drafter) / 1e9:.2f} GB of --max-disk-gb {args.max_disk_gb})")
     data = shards.load()
@@ -530,3 +620,4 @@ def _train_stored(args, target, drafter, sequences: Iterator[TextSequence], dev:
         print(f"[distil] resumed at step {trainer.step}")
     total = math.ceil(args.passes * len(data["label"]) / args.train_batch_size)
     trainer.train(data, total, dev, eval_every=args.eval_every, save_every=args.save_every)
+    return state["positions"]
