@@ -212,11 +212,27 @@ def test_a_regeneration_too_large_for_memory_is_refused_before_loading_the_targe
     assert not (tmp_path / "r").exists()
 
 
+# What the user's environment may set to change how the Hub client behaves (offline mode, another endpoint).
+HUB_ENVIRONMENT = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "HF_ENDPOINT")
+
+
+def _hub_online(monkeypatch) -> None:
+    """The Hub client as it is with none of `HUB_ENVIRONMENT` set: the environment variables cleared, and the offline
+    flag that `huggingface_hub.constants` read from them at import set back to False."""
+    from huggingface_hub import constants
+
+    for name in HUB_ENVIRONMENT:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+
+
 def _hub_unreachable(monkeypatch) -> None:
-    """The Hub client fails as it does without a network (never reached: no test depends on one)."""
+    """The Hub client fails as it does without a network (never reached: no test depends on one), whatever the
+    user's environment says about offline mode (`_hub_online`)."""
     from huggingface_hub import HfApi
     from huggingface_hub.utils import httpx
 
+    _hub_online(monkeypatch)
     def create_repo(self, repo_id, **kwargs):
         raise httpx.ConnectError("[Errno -2] Name or service not known")
 
@@ -639,3 +655,15 @@ def test_help_shows_each_default_once(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "(default: auto) (default: auto)" not in text
     assert text.count("(default: auto)") == 1  # --mixed-precision
+
+
+def test_a_plain_causal_lm_given_as_init_from_is_refused_in_one_paragraph(tiny_files, tmp_path, capsys):
+    """A plain model's directory used to pass as a drafter config and end in a load report of 24-28 KB."""
+    target, _ = tiny_files
+    assert train(tiny_files, tmp_path / "run", "--init-from", str(target), "--max-steps", "1") == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert "\n" not in err and len(err) < 700 and len(captured.out) < 200, err
+    assert f"--init-from {target} holds a llama model (LlamaForCausalLM), not a TreeSpark drafter" in err
+    assert f"--target {target}" in err
+    assert not (tmp_path / "run").exists()

@@ -255,12 +255,34 @@ def fresh_drafter_config(args: argparse.Namespace, target):
     return TreeSparkConfig.for_target(target, **fields)
 
 
+def refuse_other_models(init_from: str) -> None:
+    """`ValueError`, in one paragraph, when `init_from` is a local directory whose `config.json` names another
+    kind of model than a TreeSpark drafter (a plain causal LM, typically: transformers would load it as a drafter
+    with every weight missing)."""
+    from ..configuration import TreeSparkConfig
+
+    path = Path(init_from) / "config.json"
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # not a readable local config: from_pretrained says what is wrong
+    kind = saved.get("model_type") if isinstance(saved, dict) else None
+    if kind is None or kind == TreeSparkConfig.model_type:
+        return
+    architectures = saved.get("architectures") or []
+    named = f" ({', '.join(map(str, architectures))})" if architectures else ""
+    raise ValueError(f"--init-from {init_from} holds a {kind} model{named}, not a TreeSpark drafter: --init-from "
+                     "takes a drafter directory (a run's final/, or one saved with save_pretrained). To train "
+                     f"a drafter for that model, give it as the target: --target {init_from}, without --init-from.")
+
+
 def planned_drafter_config(args: argparse.Namespace, target_config):
     """The config of the drafter that `build_drafter` and `set_draft_vocabulary` will make, read without building
     it (for `--init-from`, its config.json only)."""
     from ..configuration import TreeSparkConfig
 
     if args.init_from:
+        refuse_other_models(args.init_from)
         try:
             config = TreeSparkConfig.from_pretrained(args.init_from)
         except (OSError, ValueError) as err:
