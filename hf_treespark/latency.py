@@ -24,9 +24,12 @@ still).
 
 Reading never raises: a damaged or implausible file or entry is ignored with one warning naming it, and an
 unwritable location keeps measurements for the process. Writes merge under a lock: the lock file beside the cache
-(`round_latency.json.lock`, through `filelock`: `flock` on Linux and macOS, `msvcrt` on Windows) is waited for as
-long as another process holds it (a write takes milliseconds); under it the file is read again, the entry added,
-and the file replaced atomically, so that two processes calibrating at once lose nothing.
+(`round_latency.json.lock`, through `filelock`: `flock` on Linux and macOS, `msvcrt` on Windows) is waited for
+while another process holds it (a write takes milliseconds), at most `LOCK_WAIT_S` seconds, with one line on stderr
+naming it after `LOCK_NOTICE_S`; under it the file is read again, the entry added, and the file replaced atomically,
+so that two processes calibrating at once lose nothing. A lock held longer (its holder hangs) is given up on: the
+measurement is kept for this process, as where the location is unwritable, and later writes of this process try
+that lock once without waiting.
 """
 
 from __future__ import annotations
@@ -40,12 +43,12 @@ import warnings
 from pathlib import Path
 
 import torch
-from filelock import FileLock
+from filelock import Timeout
 from transformers import DynamicCache
 
 from .cpu_gemm import model_is_packed
 from .engine import draft_pool, feature_indices
-from .storage import cache_dir, unwritable_reason
+from .storage import acquire_lock, cache_dir, unwritable_reason
 from .tree import TreePolicy, pack_tree
 from .verify import cache_kwarg, grouped_attention
 
@@ -60,6 +63,8 @@ ACCELERATOR_FREE_CORES = 2  # on an accelerator's host, cores other processes mu
 UNTRUSTED_RETRY_S = 3600  # after an untrusted measurement, later processes use the default this long
 BATCH_SIZES = (2, 4, 8, 16)  # the batch sizes calibration measures (`budget.BatchBudget`)
 BATCH_VERIFY_TOKENS = 320  # a batch's candidate budgets keep its verify forward at most this many tokens
+LOCK_WAIT_S = 30.0  # the longest wait for another process's lock on the cache before keeping a measurement in memory
+LOCK_NOTICE_S = 2.0  # a wait this long for that lock is said on stderr (a write takes milliseconds)
 
 
 def latency_path() -> Path:
@@ -347,21 +352,44 @@ def _cache_location_problem(path: Path) -> str | None:
 
 
 def _store(path: Path, key: str, entry: dict) -> str | None:
-    """Add one entry to the cache file: under a lock, merged with what other processes wrote meanwhile, and
-    replaced atomically. Returns why it could not be stored, or None."""
+    """Add one entry to the cache file `path`: under its lock (`<path>.lock`), merged with what other processes
+    wrote meanwhile, and replaced atomically.
+
+    Takes the cache file, the entry's key and the entry. Returns None once stored, else why not, naming the file
+    that failed (the cache, its lock file or the temporary file beside it). Waits for another process's lock at
+    most `LOCK_WAIT_S` seconds, saying so on stderr after `LOCK_NOTICE_S`; once that wait has timed out in this
+    process, later calls try that lock once without waiting. Never raises for the file system."""
+    lock = path.with_name(path.name + ".lock")
+    waited = 0.0 if str(lock) in _locks_given_up else LOCK_WAIT_S
+    notice = (f"hf_treespark: waiting for the lock {lock}: another process is writing measured round latencies "
+              f"to {path} (a write takes milliseconds; giving up after {waited:g} s)")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(path.with_name(path.name + ".lock")):  # waited for as long as another process holds it
+        held = acquire_lock(lock, waited, LOCK_NOTICE_S, notice)
+        try:
+            _locks_given_up.discard(str(lock))
             table = _read_cache(path)
             table[key] = entry
             tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-            tmp.write_text(json.dumps(table, indent=1))
-            tmp.replace(path)
+            try:
+                tmp.write_text(json.dumps(table, indent=1))
+                tmp.replace(path)
+            finally:
+                tmp.unlink(missing_ok=True)
+        finally:
+            held.release()
+    except Timeout:
+        _locks_given_up.add(str(lock))
+        holding = (f"held this lock for {waited:g} s" if waited
+                   else f"still holds this lock (waited for in vain {LOCK_WAIT_S:g} s earlier)")
+        return (f"{lock}: another process {holding} while writing measured round latencies; if that process hangs, "
+                f"stop it (`fuser -v {lock}` names it), then `treespark calibrate` stores them")
     except OSError as err:
-        return f"{path}: {err.strerror or err}"
+        return f"{err.filename or path}: {err.strerror or err}"
     return None
 
 
+_locks_given_up: set[str] = set()  # lock files this process waited `LOCK_WAIT_S` for in vain: not waited for again
 _in_memory: dict[tuple[str, str], dict] = {}  # measured in this process where the cache could not keep it
 _untrusted: set[tuple[str, str]] = set()  # measured in this process twice, and not trusted either time
 
@@ -377,7 +405,8 @@ def round_latency(target, drafter, policy: TreePolicy, budgets=CANDIDATE_BUDGETS
     measured while other processes kept more than `busy_cores_limit` cores busy, is measured once more; if that
     one fails too nothing is stored, a warning says why, and None is returned ("auto" uses its default).
     A cache location that cannot be written (read-only, a directory, ...) is found before measuring: the
-    table is then kept for this process only, with one warning naming `HF_TREESPARK_CACHE`. `fallback`: the
+    table is then kept for this process only, with one warning naming `HF_TREESPARK_CACHE`; so is a table whose
+    write waited `LOCK_WAIT_S` in vain for another process's lock (the warning names the lock file). `fallback`: the
     budget "auto" uses without a measurement, named in the warning when there is none.
     """
     path = latency_path()

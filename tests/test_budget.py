@@ -327,6 +327,64 @@ def test_a_writer_waits_for_the_lock_beside_the_cache_even_without_fcntl(latency
     assert set(json.loads(latency_cache.read_text())) == {"first", "second"}
 
 
+def test_a_held_latency_lock_is_waited_for_a_bounded_time_named_and_auto_goes_on(latency_cache, monkeypatch,
+                                                                                  capsys):
+    """Another process holding the lock beside the cache for good: a writer says, on stderr, which lock file it
+    waits for and why, gives up after `LOCK_WAIT_S`, and returns why nothing was stored, naming the lock file; the
+    first use keeps its measurement for the process and goes on with it."""
+    from filelock import FileLock
+
+    monkeypatch.setattr(latency, "LOCK_WAIT_S", 0.5, raising=False)
+    monkeypatch.setattr(latency, "LOCK_NOTICE_S", 0.1, raising=False)
+    monkeypatch.setattr(latency, "measure_round_latency", lambda *a, **k: steady_table(a[3]))
+    lock = Path(f"{latency_cache}.lock")
+    target = make_target("llama")
+    drafter = make_drafter(target, tree_budget="auto")
+    results = {}
+
+    def store():
+        results["store"] = latency._store(latency_cache, "k", {"verify": {"0": 0.01}, "draft": {}})
+
+    def first_use():
+        with pytest.warns(budget.LatencyCacheWarning) as caught:
+            results["table"] = budget.calibrate_latency(target, drafter)
+        results["warnings"] = [str(w.message) for w in caught]
+
+    with FileLock(str(lock)):  # held for the whole of both calls: the holder never lets go
+        for job in (store, first_use):
+            worker = threading.Thread(target=job, daemon=True)
+            worker.start()
+            worker.join(60)  # a generous sanity limit: the point is that it comes back at all
+            returned = not worker.is_alive()
+            if not returned:
+                break
+    worker.join(60)  # the lock is free now: a writer that was still waiting finishes
+    assert returned, f"{job.__name__} was still waiting for {lock} after 60 s"
+    assert results["store"] is not None and results["store"].startswith(f"{lock}: ")
+    assert "another process" in results["store"]
+    assert not latency_cache.exists()
+    said = [line for line in capsys.readouterr().err.splitlines() if str(lock) in line]
+    assert said and all("waiting" in line and "another process" in line for line in said), said
+    assert results["table"] is not None and budget.has_latency(target, drafter)  # kept for this process
+    assert len(results["warnings"]) == 1 and f"{lock}: " in results["warnings"][0]
+
+
+def test_a_lock_file_that_cannot_be_created_is_named_not_the_cache(latency_cache, monkeypatch):
+    """Where the lock file cannot be created (here a directory has its name: root ignores permission bits), the
+    reason names the lock file, the file that failed, not the cache file beside it."""
+    lock = Path(f"{latency_cache}.lock")
+    lock.mkdir(parents=True)
+    problem = latency._store(latency_cache, "k", {"verify": {"0": 0.01}, "draft": {}})
+    assert problem is not None and problem.startswith(f"{lock}: "), problem
+    monkeypatch.setattr(latency, "measure_round_latency", lambda *a, **k: steady_table(a[3]))
+    target = make_target("llama")
+    drafter = make_drafter(target, tree_budget="auto")
+    with pytest.warns(budget.LatencyCacheWarning) as caught:
+        assert budget.calibrate_latency(target, drafter) is not None
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1 and f"({lock}: " in messages[0], messages
+
+
 @pytest.mark.parametrize(("load", "shape_ok"), [(1.2, True), (0.0, False)])
 def test_a_measurement_that_fails_its_check_twice_is_not_stored(latency_cache, monkeypatch, load, shape_ok):
     target = make_target("llama")
