@@ -170,17 +170,28 @@ def cmd_draft_vocab(args) -> int:
 def cmd_datastore(args) -> int:
     """Index the target's outputs in `--data` (text, chat JSONL, id JSONL: `training.datastore_inputs`) as
     `--output`/datastore.safetensors. A store already there is kept unless `--force` replaces it or `--append`
-    adds to it; every input is read before anything is written, and the file is replaced whole."""
+    adds to it; every input is read before anything is written, and the file is replaced whole. A file given twice,
+    or already in the store, is skipped and said so; a tokenizer other than the drafter's target's is refused,
+    naming both; a refused build leaves no folder it created. Returns 0; raises `OSError` or `ValueError`."""
     from pathlib import Path
 
-    from .datastore import DATASTORE_FILE, Datastore, DatastoreError
-    from .storage import unwritable_reason
-    from .training.datastore_inputs import describe, load_tokenizer, read_outputs, store_vocab_size
+    from .training.datastore_inputs import removing_created_folders
 
     output = Path(args.output)
-    vocab_size = store_vocab_size(args.vocab_size, output / "config.json")
     if output.exists() and not output.is_dir():
         raise OSError(f"--output {str(output)!r} is a file, not a directory")
+    with removing_created_folders(output):
+        return _build_datastore(args, output)
+
+
+def _build_datastore(args, output) -> int:
+    """`cmd_datastore` in `output`, an existing directory or one to create."""
+    from .datastore import DATASTORE_FILE, Datastore, DatastoreError
+    from .storage import unwritable_reason
+    from .training.datastore_inputs import check_tokenizer, describe, drafter_target, load_tokenizer, read_outputs
+
+    drafter = drafter_target(args.vocab_size, output / "config.json")
+    vocab_size = args.vocab_size if args.vocab_size is not None else drafter.vocab_size
     existing, path = None, output / DATASTORE_FILE
     if path.exists() and not args.force:
         try:
@@ -196,17 +207,27 @@ def cmd_datastore(args) -> int:
     if problem is not None:
         raise OSError(f"--output {str(output)!r} cannot be written ({problem})")
     start = time.perf_counter()
-    sequences, counts = read_outputs(args.data, vocab_size, functools.partial(load_tokenizer, args.target))
+    read = read_outputs(args.data, vocab_size, functools.partial(load_tokenizer, args.target),
+                        indexed=existing.sources if existing is not None else (),
+                        check_tokenizer=functools.partial(check_tokenizer, drafter=drafter, store=existing))
+    if read.skipped:
+        print(f"[datastore] skipped {len(read.skipped)} file{'s' * (len(read.skipped) != 1)} already indexed: "
+              + "; ".join(read.skipped))
+    if existing is not None and not read.sources:
+        print(f"[datastore] nothing new to index: {path} is unchanged ({existing.num_tokens:,} tokens)")
+        return 0
     old = existing.sequences() if existing is not None else []
-    store = Datastore.build(old + sequences, vocab_size)
+    made_with = read.tokenizer or (existing.tokenizer if existing is not None else None)
+    store = Datastore.build(old + read.sequences, vocab_size, tokenizer=made_with,
+                            sources=(existing.sources if existing is not None else []) + read.sources)
     path = store.save(output)
     built = time.perf_counter() - start
     start = time.perf_counter()
     Datastore.load(path, vocab_size)
     added = "" if existing is None else (f"; {store.num_tokens - existing.num_tokens:,} tokens added to the "
                                          f"{existing.num_tokens:,} already there")
-    print(f"[datastore] {describe(counts)}: {store.num_tokens:,} tokens indexed in {built:.1f} s{added}; {path} is "
-          f"{path.stat().st_size / 1e6:.1f} MB and loads in {1000 * (time.perf_counter() - start):.0f} ms"
+    print(f"[datastore] {describe(read.counts)}: {store.num_tokens:,} tokens indexed in {built:.1f} s{added}; {path} "
+          f"is {path.stat().st_size / 1e6:.1f} MB and loads in {1000 * (time.perf_counter() - start):.0f} ms"
           + ("" if (output / "config.json").is_file() else f" (copy {DATASTORE_FILE} into a drafter directory to "
                                                             "use it)"))
     return 0

@@ -43,13 +43,18 @@ Growing with use. `Datastore.add(ids)` indexes a finished output too (`generate`
 holding the most recent `grow_tokens` tokens (older outputs are dropped first), so memory stays bounded.
 
 Stored as `datastore.safetensors` (no pickle) in the drafter's directory: tensors `tokens` and `positions`,
-metadata `format`, `version`, `vocab_size`, `max_match`. Loading checks the format, the vocabulary and the
-index's shape, and refuses a damaged or foreign file naming it, before any decoding. In memory a store pickles as
+metadata `format`, `version`, `vocab_size`, `max_match`, and where known `tokenizer` (the identity of the
+tokenizer the text was tokenised with: `tokenizer_identity`, as JSON) and `sources` (a JSON list of the content
+hashes of the files indexed, so that adding one again is noticed). Loading checks the format, the vocabulary, the
+index's shape and (given one) the tokenizer, and refuses a damaged or foreign file naming it, before any
+decoding. In memory a store pickles as
 its arrays, so a drafter carrying one can be deep-copied, pickled and `torch.save`d.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 from bisect import bisect_left, bisect_right
@@ -145,18 +150,23 @@ class Datastore:
     `branches(history)` proposes a round's retrieved nodes; `add(ids)` indexes a new output.
     """
 
-    def __init__(self, index: _Index, vocab_size: int, grow_tokens: int = 0):
+    def __init__(self, index: _Index, vocab_size: int, grow_tokens: int = 0, tokenizer: dict | None = None,
+                 sources: Sequence[str] = ()):
         self.index = index
         self.vocab_size = int(vocab_size)
         self.grow_tokens = int(grow_tokens)
+        self.tokenizer = tokenizer  # `tokenizer_identity` of what tokenised the text, None when not known
+        self.sources = list(sources)  # content hashes of the files indexed (`treespark datastore`)
         self.grown: list[np.ndarray] = []
         self.grown_index: _Index | None = None
 
     @classmethod
-    def build(cls, sequences: Iterable[Sequence[int]], vocab_size: int) -> Datastore:
-        """Index `sequences` (each a list, array or tensor of integer token ids below `vocab_size`). Raises
-        `DatastoreError` naming the sequence and position of an id that is outside the vocabulary or not an integer
-        (a float is never truncated to one, a string never parsed as one)."""
+    def build(cls, sequences: Iterable[Sequence[int]], vocab_size: int, tokenizer: dict | None = None,
+              sources: Sequence[str] = ()) -> Datastore:
+        """Index `sequences` (each a list, array or tensor of integer token ids below `vocab_size`); `tokenizer` (a
+        `tokenizer_identity`) and `sources` (content hashes of the files they came from) are recorded with them.
+        Raises `DatastoreError` naming the sequence and position of an id that is outside the vocabulary or not an
+        integer (a float is never truncated to one, a string never parsed as one)."""
         sequences = [_token_ids(seq, i) for i, seq in enumerate(sequences)]
         for i, seq in enumerate(sequences):
             if len(seq) and (seq.min() < 0 or seq.max() >= vocab_size):
@@ -165,7 +175,7 @@ class Datastore:
                                      f"[0, {vocab_size})")
         if not any(len(seq) for seq in sequences):
             raise DatastoreError("no tokens to index: the data holds no response")
-        return cls(_Index.build(sequences), vocab_size)
+        return cls(_Index.build(sequences), vocab_size, tokenizer=tokenizer, sources=sources)
 
     def sequences(self) -> list[np.ndarray]:
         """The sequences built into the index (not what `add` grew), as given to `build`: `Datastore.build(
@@ -244,7 +254,7 @@ class Datastore:
         """A copy that shares this store's index and also indexes `outputs` after what this store has grown, all of
         them kept, and grows no further (`grow_tokens` 0): a fixed store, as a process that grew this one with those
         outputs would hold it (the bench's `multiturn` suite)."""
-        copy = Datastore(self.index, self.vocab_size, grow_tokens=0)
+        copy = Datastore(self.index, self.vocab_size, grow_tokens=0, tokenizer=self.tokenizer, sources=self.sources)
         copy.grown = list(self.grown) + [self._in_vocabulary(ids) for ids in outputs if len(ids)]
         copy.grown_index = _Index.build(copy.grown) if copy.grown else None
         return copy
@@ -256,7 +266,8 @@ class Datastore:
 
     # ----- saving and loading ---------------------------------------------------------------------------
     def save(self, directory: str | os.PathLike) -> Path:
-        """Write `datastore.safetensors` into `directory` (what was added by `add` is not saved)."""
+        """Write `datastore.safetensors` into `directory` (what was added by `add` is not saved), whole: a file
+        already there is replaced only once the new one is written. Returns its path; raises `OSError`."""
         from safetensors.numpy import save_file
 
         path = Path(directory) / DATASTORE_FILE
@@ -264,19 +275,29 @@ class Datastore:
         compact = np.uint16 if self.vocab_size < np.iinfo(np.uint16).max else np.int32
         tokens = self.index.tokens.astype(compact)  # the separator -1 becomes 65535 in uint16
         tmp = path.with_name(path.name + ".tmp")
-        save_file({"tokens": tokens, "positions": self.index.positions}, str(tmp),
-                  metadata={"format": FORMAT, "version": VERSION, "vocab_size": str(self.vocab_size),
-                            "max_match": str(MAX_MATCH)})
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o666 & ~umask)  # as the weights beside it (the writer made it private to its owner)
-        tmp.replace(path)
+        metadata = {"format": FORMAT, "version": VERSION, "vocab_size": str(self.vocab_size),
+                    "max_match": str(MAX_MATCH)}
+        if self.tokenizer is not None:
+            metadata["tokenizer"] = json.dumps(self.tokenizer, sort_keys=True)
+        if self.sources:
+            metadata["sources"] = json.dumps(self.sources)
+        try:
+            save_file({"tokens": tokens, "positions": self.index.positions}, str(tmp), metadata=metadata)
+            umask = os.umask(0)
+            os.umask(umask)
+            tmp.chmod(0o666 & ~umask)  # as the weights beside it (the writer made it private to its owner)
+            tmp.replace(path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # no half-written file left beside the store
+            raise
         return path
 
     @classmethod
-    def load(cls, path: str | os.PathLike, vocab_size: int | None = None, grow_tokens: int = 0) -> Datastore:
+    def load(cls, path: str | os.PathLike, vocab_size: int | None = None, grow_tokens: int = 0,
+             tokenizer: dict | None = None) -> Datastore:
         """Read a datastore file (or the one in a directory). Raises `DatastoreError` naming the file when it is
-        damaged, not a datastore, or (given `vocab_size`) built for another vocabulary."""
+        damaged, not a datastore, (given `vocab_size`) built for another vocabulary, or (given `tokenizer`, a
+        `tokenizer_identity`) built with another tokenizer, as far as the file records one."""
         from safetensors import safe_open
 
         path = Path(path)
@@ -303,6 +324,10 @@ class Datastore:
         if vocab_size is not None and stored_vocab != vocab_size:
             raise DatastoreError(f"the datastore {path} was built for a vocabulary of {stored_vocab} ids, not this "
                                  f"target's {vocab_size}: build one from this target's outputs")
+        made_with, sources = _metadata_json(meta, "tokenizer", dict, path), _metadata_json(meta, "sources", list, path)
+        mismatch = tokenizer_mismatch(made_with, tokenizer)
+        if mismatch is not None:
+            raise DatastoreError(f"the datastore {path} {mismatch}: build one with this target's tokenizer")
         problem = _index_problem(tokens, positions, stored_vocab, max_match)
         if problem is not None:
             raise DatastoreError(f"the datastore file {path} is damaged ({problem}): rebuild it with `treespark "
@@ -311,7 +336,43 @@ class Datastore:
         if tokens.dtype == np.uint16:
             words[tokens == np.iinfo(np.uint16).max] = SEPARATOR
         tokens = words
-        return cls(_Index(np.ascontiguousarray(tokens), np.ascontiguousarray(positions)), stored_vocab, grow_tokens)
+        return cls(_Index(np.ascontiguousarray(tokens), np.ascontiguousarray(positions)), stored_vocab, grow_tokens,
+                   tokenizer=made_with, sources=[str(h) for h in sources or ()])
+
+
+def tokenizer_identity(tokenizer) -> dict:
+    """What tells one tokenizer from another: `name_or_path` (as it was loaded; "" if unknown), `size` (its number
+    of ids, added tokens included) and `fingerprint` (16 hex digits of a SHA-256 over its vocabulary, each token
+    with its id; None for a tokenizer that does not list its vocabulary)."""
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else None
+    fingerprint = None
+    if vocab:
+        text = json.dumps(sorted(vocab.items(), key=lambda item: (item[1], item[0])), ensure_ascii=False)
+        fingerprint = hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+    size = len(tokenizer) if hasattr(tokenizer, "__len__") else getattr(tokenizer, "vocab_size", None)
+    return {"name_or_path": str(getattr(tokenizer, "name_or_path", "") or ""), "size": size,
+            "fingerprint": fingerprint}
+
+
+def describe_tokenizer(identity: dict) -> str:
+    """A `tokenizer_identity` in words: "the tokenizer of NAME (49152 ids, fingerprint 0123...)"."""
+    facts = [f"{identity['size']} ids" if identity.get("size") is not None else None,
+             f"fingerprint {identity['fingerprint']}" if identity.get("fingerprint") else None]
+    facts = ", ".join(fact for fact in facts if fact)
+    name = identity.get("name_or_path") or "an unnamed model"
+    return f"the tokenizer of {name}" + (f" ({facts})" if facts else "")
+
+
+def tokenizer_mismatch(recorded: dict | None, other: dict | None) -> str | None:
+    """None when two `tokenizer_identity`s may be the same tokenizer (either unknown: nothing to compare), else
+    "was built with X, not Y" naming both. The fingerprints decide when both have one, else the sizes."""
+    if not recorded or not other:
+        return None
+    if recorded.get("fingerprint") and other.get("fingerprint"):
+        same = recorded["fingerprint"] == other["fingerprint"]
+    else:
+        same = recorded.get("size") is None or other.get("size") is None or recorded["size"] == other["size"]
+    return None if same else f"was built with {describe_tokenizer(recorded)}, not {describe_tokenizer(other)}"
 
 
 def sequences_from_references(references) -> list[list[int]]:
@@ -366,6 +427,20 @@ def _metadata_int(meta: dict, field: str, path: Path) -> int:
     except ValueError:
         raise DatastoreError(f"the datastore file {path} is damaged (its metadata field {field!r} is {text!r}, not "
                              "a whole number): rebuild it with `treespark datastore`") from None
+
+
+def _metadata_json(meta: dict, field: str, kind: type, path: Path):
+    """A JSON metadata field of the datastore file `path` (None when absent), which must hold a `kind`."""
+    if field not in meta:
+        return None
+    try:
+        value = json.loads(meta[field])
+    except ValueError:
+        value = None
+    if not isinstance(value, kind):
+        raise DatastoreError(f"the datastore file {path} is damaged (its metadata field {field!r} is "
+                             f"{meta[field]!r:.60}, not a JSON {kind.__name__}): rebuild it with `treespark datastore`")
+    return value
 
 
 def _index_problem(tokens: np.ndarray, positions: np.ndarray, vocab_size: int, max_match: int) -> str | None:

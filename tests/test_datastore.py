@@ -369,3 +369,19 @@ def test_a_missing_datastore_names_the_directory_to_build_it_in(where, directory
     with pytest.raises(DatastoreError) as refused:
         Datastore.load(tmp_path / where)
     assert f"--output {tmp_path / directory}`" in str(refused.value)
+
+
+def test_the_tokenizer_and_sources_a_store_was_built_from_travel_with_it_and_another_tokenizer_is_refused(tmp_path):
+    made_with = {"name_or_path": "org/target", "size": 12, "fingerprint": "0123456789abcdef"}
+    store = Datastore.build(random_sequences(6), 12, tokenizer=made_with, sources=["aa", "bb"])
+    path = store.save(tmp_path)
+    again = Datastore.load(path, 12, tokenizer=dict(made_with))
+    assert again.tokenizer == made_with and again.sources == ["aa", "bb"]
+    assert store.frozen_copy().tokenizer == made_with
+    other = {"name_or_path": "org/other", "size": 12, "fingerprint": "fedcba9876543210"}
+    with pytest.raises(DatastoreError, match=rf"{path} was built with the tokenizer of org/target .*not the "
+                                             r"tokenizer of org/other"):
+        Datastore.load(path, 12, tokenizer=other)
+    plain = Datastore.build(random_sequences(6), 12).save(tmp_path / "plain")  # built from token ids alone
+    assert Datastore.load(plain, 12, tokenizer=other).tokenizer is None
+    assert Datastore.load(plain).sources == []

@@ -9,7 +9,7 @@ from conftest import VOCAB, make_drafter, make_target
 from transformers import AutoTokenizer
 
 from hf_treespark import assets, cli
-from hf_treespark.datastore import DATASTORE_FILE, HEADER_TOKENS, Datastore
+from hf_treespark.datastore import DATASTORE_FILE, HEADER_TOKENS, Datastore, describe_tokenizer
 
 CHATS = [
     {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."},
@@ -124,3 +124,123 @@ def test_bad_datastore_inputs_are_refused_naming_the_file(files, options, messag
     err = capsys.readouterr().err
     assert err.startswith("treespark: error: ") and len(err.strip().splitlines()) == 1 and message in err, err
     assert not (tmp_path / "out" / DATASTORE_FILE).exists()
+
+
+def test_chat_content_given_as_text_parts_is_indexed_as_its_text(tmp_path, tokenizer, capsys):
+    as_parts = [{"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Name a colour."}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Teal is a calm blue-green colour."},
+                                          {"type": "image_url", "image_url": {"url": "teal.png"}}]}]}]
+    data = write_jsonl(tmp_path / "parts.jsonl", as_parts)
+    assert cli.main(["datastore", "--data", data, "--output", str(tmp_path / "store")]) == 0
+    asked = [{"role": "user", "content": "Name a colour."}]
+    assert [seq.tolist() for seq in Datastore.load(tmp_path / "store", VOCAB_SIZE).sequences()] == [
+        assistant_turn(tokenizer, asked, "Teal is a calm blue-green colour.")]
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (None, "x.jsonl:2: message 2 has no content (null): give the turn's text, or leave the record out"),
+    (7, "x.jsonl:2: message 2's content is 7, not text or a list of text parts"),
+])
+def test_chat_content_that_is_null_or_not_text_is_refused_naming_the_record(content, message, tmp_path, capsys):
+    good = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
+    bad = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": content}]}
+    data = write_jsonl(tmp_path / "x.jsonl", [good, bad])
+    assert cli.main(["datastore", "--data", data, "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+def write_drafter_config(directory, target_name: str | None, vocab_size: int = VOCAB_SIZE) -> None:
+    """The fields of a drafter's config.json that `treespark datastore` reads."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(
+        {"model_type": "treespark", "target_vocab_size": vocab_size, "target_name_or_path": target_name}))
+
+
+@pytest.mark.parametrize(("target_name", "vocab_size", "names"), [
+    ("Qwen/Qwen2.5-0.5B-Instruct", VOCAB_SIZE, ["Qwen/Qwen2.5-0.5B-Instruct", "smollm2-135m-instruct"]),
+    (None, VOCAB, [f"{VOCAB} ids", f"{VOCAB_SIZE} ids"]),
+])
+def test_a_tokenizer_other_than_the_drafters_targets_is_refused_and_force_keeps_the_good_store(
+        target_name, vocab_size, names, tmp_path, capsys):
+    drafter_dir = tmp_path / "drafter"
+    write_drafter_config(drafter_dir, target_name, vocab_size)
+    good = write_jsonl(tmp_path / "ids.jsonl", [{"prompt_ids": [1, 2], "response_ids": [10, 11, 12]}])
+    assert cli.main(["datastore", "--data", good, "--output", str(drafter_dir)]) == 0
+    before = (drafter_dir / DATASTORE_FILE).read_bytes()
+    (tmp_path / "notes.txt").write_text("Here is a list of colours: teal, saffron.", encoding="utf-8")
+    capsys.readouterr()
+
+    assert cli.main(["datastore", "--data", str(tmp_path / "notes.txt"), "--output", str(drafter_dir),
+                     "--force"]) == 2
+    err = capsys.readouterr().err
+    assert "tokenizer" in err and all(name in err for name in names), err
+    assert (drafter_dir / DATASTORE_FILE).read_bytes() == before
+    assert sorted(p.name for p in drafter_dir.iterdir()) == ["config.json", DATASTORE_FILE]
+
+
+def test_the_store_records_its_tokenizer_and_refuses_to_add_text_of_another(tmp_path, tokenizer, monkeypatch,
+                                                                              capsys):
+    drafter_dir = tmp_path / "drafter"
+    write_drafter_config(drafter_dir, "HuggingFaceTB/SmolLM2-135M-Instruct")
+    (tmp_path / "notes.txt").write_text("Here is a list of colours: teal, saffron.", encoding="utf-8")
+    assert cli.main(["datastore", "--data", str(tmp_path / "notes.txt"), "--output", str(drafter_dir)]) == 0
+    recorded = Datastore.load(drafter_dir, VOCAB_SIZE).tokenizer
+    assert recorded["name_or_path"] == tokenizer.name_or_path and recorded["size"] == len(tokenizer)
+    assert len(recorded["fingerprint"]) == 16
+    before = (drafter_dir / DATASTORE_FILE).read_bytes()
+
+    class Renumbered:  # the same name and size, two tokens' ids swapped: another tokenizer
+        name_or_path = tokenizer.name_or_path
+        __len__, __call__ = (lambda self: len(tokenizer)), (lambda self, *a, **k: tokenizer(*a, **k))
+
+        def get_vocab(self):
+            vocab = tokenizer.get_vocab()
+            return {**vocab, "a": vocab["b"], "b": vocab["a"]}
+
+    monkeypatch.setattr("hf_treespark.training.datastore_inputs.load_tokenizer", lambda name: Renumbered())
+    (tmp_path / "more.txt").write_text("Saffron is a warm colour.", encoding="utf-8")
+    assert cli.main(["datastore", "--data", str(tmp_path / "more.txt"), "--output", str(drafter_dir), "--append"]) == 2
+    err = capsys.readouterr().err
+    assert f"--output's datastore was built with {describe_tokenizer(recorded)}, not the tokenizer of" in err, err
+    assert (drafter_dir / DATASTORE_FILE).read_bytes() == before
+
+
+def test_the_same_file_given_twice_or_appended_again_is_skipped_and_said_so(tmp_path, capsys):
+    first = write_jsonl(tmp_path / "a.jsonl", [{"prompt_ids": [1, 2], "response_ids": [10, 11, 12]}])
+    second = write_jsonl(tmp_path / "b.jsonl", [{"prompt_ids": [3], "response_ids": [20, 21]}])
+    copy = write_jsonl(tmp_path / "copy.jsonl", [{"prompt_ids": [1, 2], "response_ids": [10, 11, 12]}])
+    same = str(tmp_path / "." / "a.jsonl")
+    out = tmp_path / "store"
+    assert cli.main(["datastore", "--data", first, same, copy, "--output", str(out), "--vocab-size", "64"]) == 0
+    printed = capsys.readouterr().out
+    assert "skipped 2 files" in printed and "given twice" in printed and "same content as" in printed, printed
+    assert [s.tolist() for s in Datastore.load(out, 64).sequences()] == [[1, 2, 10, 11, 12]]
+
+    assert cli.main(["datastore", "--data", first, second, "--output", str(out), "--vocab-size", "64",
+                     "--append"]) == 0
+    printed = capsys.readouterr().out
+    assert "skipped 1 file" in printed and "already in the store" in printed, printed
+    assert [s.tolist() for s in Datastore.load(out, 64).sequences()] == [[1, 2, 10, 11, 12], [3, 20, 21]]
+    before = (out / DATASTORE_FILE).read_bytes()
+
+    assert cli.main(["datastore", "--data", second, "--output", str(out), "--vocab-size", "64", "--append"]) == 0
+    printed = capsys.readouterr().out
+    assert "already in the store" in printed and "nothing new to index" in printed, printed
+    assert (out / DATASTORE_FILE).read_bytes() == before
+
+
+@pytest.mark.parametrize("made_by", ["the command", "the user"])
+def test_a_refused_build_leaves_no_folder_it_created(made_by, tmp_path, capsys):
+    (tmp_path / "x.jsonl").write_text('{"prompt": "hi"}\n')
+    output = tmp_path / "new" / "deeper" / "out"
+    if made_by == "the user":
+        output.mkdir(parents=True)
+    assert cli.main(["datastore", "--data", str(tmp_path / "x.jsonl"), "--output", str(output)]) == 2
+    assert "x.jsonl:1" in capsys.readouterr().err
+    if made_by == "the user":
+        assert output.is_dir() and not any(output.iterdir())
+    else:
+        assert not (tmp_path / "new").exists()

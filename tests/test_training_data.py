@@ -539,3 +539,29 @@ def test_the_committed_later_turn_data_loads_and_holds_training_records_only():
         assert int(rid_at_position.rsplit("@", 1)[1]) < assets.SHAREGPT_HELDOUT_POSITION and int(turn) >= 2
         assert ref.input_ids[: ref.prompt_len][-4:] == [1, 520, 9531, 198]  # "<|im_start|>assistant\n"
         assert ref.prompt_len <= 384 and len(ref.input_ids) - ref.prompt_len <= 256
+
+
+def test_chat_content_given_as_text_parts_is_read_as_its_text_and_null_content_is_refused(tmp_path):
+    parts = [{"type": "text", "text": "Name a prime."}, {"type": "image_url", "image_url": {"url": "x.png"}},
+             {"text": "Just one."}]
+    path = write_jsonl(tmp_path / "parts.jsonl", [
+        {"messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": "7"}]},
+        {"conversations": [{"from": "human", "value": [{"type": "text", "text": "What is Rust?"}]}]},
+    ])
+    prompts = jsonl_prompts(path)
+    assert prompts[0].messages == [{"role": "user", "content": "Name a prime.\nJust one."}]
+    assert prompts[1].messages == [{"role": "user", "content": "What is Rust?"}]
+
+    null = write_jsonl(tmp_path / "null.jsonl", [
+        {"prompt": "fine"},
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None},
+                      {"role": "user", "content": "Well?"}]},
+    ])
+    with pytest.raises(ValueError, match=r"null\.jsonl:2: message 2 has no content \(null\)"):
+        jsonl_prompts(null)
+    number = write_jsonl(tmp_path / "number.jsonl", [{"messages": [{"role": "user", "content": 42}]}])
+    with pytest.raises(ValueError, match=r"number\.jsonl:1: message 1's content is 42, not text"):
+        jsonl_prompts(number)
+    bad_part = write_jsonl(tmp_path / "part.jsonl", [{"messages": [{"role": "user", "content": ["hi"]}]}])
+    with pytest.raises(ValueError, match=r"part\.jsonl:1: message 1's content part 1 is 'hi', not a text part"):
+        jsonl_prompts(bad_part)

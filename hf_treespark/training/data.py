@@ -53,20 +53,44 @@ class Prompt:
 # ----- record shapes -----------------------------------------------------------------------------------------
 
 
+def message_text(content, turn: int) -> str:
+    """The text of turn `turn` (from 1) of a chat record: its `content` (ShareGPT: `value`), a string (returned as it
+    is) or a list of parts (OpenAI-style; transformers' chat templates): the `text` of the parts of type "text" (or
+    of no type), joined by newlines; images and other parts are left out. Raises `ValueError` naming the turn for
+    null content (the record is refused, as any unreadable record is) and for content of any other kind."""
+    if isinstance(content, str):
+        return content
+    if content is None:
+        raise ValueError(f"message {turn} has no content (null): give the turn's text, or leave the record out")
+    if not isinstance(content, list):
+        raise ValueError(f"message {turn}'s content is {content!r:.40}, not text or a list of text parts")
+    texts = []
+    for k, part in enumerate(content, start=1):
+        text = part.get("text") if isinstance(part, dict) else part
+        if isinstance(part, dict) and part.get("type") not in (None, "text") or text is None:
+            continue  # an image, or another part without text
+        if not isinstance(part, dict) or not isinstance(text, str):
+            raise ValueError(f"message {turn}'s content part {k} is {part!r:.40}, not a text part such as "
+                             '{"type": "text", "text": "..."}')
+        texts.append(text)
+    return "\n".join(texts)
+
+
 def _sharegpt_turns_to_messages(turns: list) -> list[dict[str, str]]:
     messages = []
-    for turn in turns:
+    for k, turn in enumerate(turns, start=1):
         if not isinstance(turn, dict) or "from" not in turn or "value" not in turn:
             raise ValueError(f"a ShareGPT turn needs 'from' and 'value', got {turn!r:.80}")
         role = _SHAREGPT_ROLES.get(str(turn["from"]).lower())
         if role is None:
             raise ValueError(f"unknown ShareGPT speaker {turn['from']!r} (known: {sorted(_SHAREGPT_ROLES)})")
-        messages.append({"role": role, "content": str(turn["value"])})
+        messages.append({"role": role, "content": message_text(turn["value"], k)})
     return messages
 
 
 def _chat_to_messages(value) -> list[dict[str, str]]:
-    """A string prompt, a list of {role, content} or a list of ShareGPT {from, value} -> messages."""
+    """A string prompt, a list of {role, content} or a list of ShareGPT {from, value} -> messages, each turn's
+    content as its text (`message_text`). Raises `ValueError` for any other shape."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list):
@@ -74,10 +98,10 @@ def _chat_to_messages(value) -> list[dict[str, str]]:
     if value and isinstance(value[0], dict) and "from" in value[0]:
         return _sharegpt_turns_to_messages(value)
     messages = []
-    for m in value:
+    for k, m in enumerate(value, start=1):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise ValueError(f"a message needs 'role' and 'content', got {m!r:.80}")
-        messages.append({"role": str(m["role"]), "content": str(m["content"])})
+        messages.append({"role": str(m["role"]), "content": message_text(m["content"], k)})
     return messages
 
 

@@ -10,16 +10,26 @@ The kind of each input is told by its name, then by each JSONL record's fields:
   assistant turn, as the target's chat template lays it out after the conversation before it (its end-of-turn
   token included), after the last `HEADER_TOKENS` tokens of that templated prompt (the assistant header). System
   and user turns are context only: the store holds what the assistant answered, which should be the target.
+  A turn's content is a string or a list of text parts (`data.message_text`); a null content refuses the record.
+
+A file is known by its content: one given twice (or a copy of one given before) is read once, and one already in
+the store (`Datastore.sources`, an `--append` of it again) is skipped, both said (`Outputs.skipped`).
+
+The tokenizer must be the drafter's target's (`check_tokenizer`): it is refused, naming both, when its name or its
+size says otherwise, and when the store it is added to was built with another one (their fingerprints differ).
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..datastore import HEADER_TOKENS
+from ..datastore import DATASTORE_FILE, HEADER_TOKENS, describe_tokenizer, tokenizer_identity, tokenizer_mismatch
 from .data import _chat_to_messages, _int_list, json_records
 
 ID_FIELDS = ("prompt_ids", "response_ids")
@@ -27,37 +37,71 @@ CHAT_FIELDS = ("messages", "conversations")
 SOURCES = ("responses", "assistant turns", "text files")  # what `read_outputs` counts
 
 
-def read_outputs(paths: list[str | Path], vocab_size: int, load_tokenizer: Callable[[], object]
-                 ) -> tuple[list[list[int]], Counter]:
-    """`(sequences, counts)`: what the datastore indexes of each file (see the module docstring), and how many
-    `responses` (id records), `assistant turns` and `text files` they came from. `load_tokenizer()` is called once,
-    when a text file or chat record first needs it.
+@dataclass
+class Outputs:
+    """What `read_outputs` read: the `sequences` to index and `counts` of what they came from (`SOURCES`), the
+    content hash of each file read (`sources`), the files `skipped` ("path: why"), and `tokenizer`, the
+    `tokenizer_identity` of the tokenizer that tokenised text or chats (None when none was needed)."""
+
+    sequences: list[list[int]] = field(default_factory=list)
+    counts: Counter = field(default_factory=Counter)
+    sources: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    tokenizer: dict | None = None
+
+
+def read_outputs(paths: list[str | Path], vocab_size: int, load_tokenizer: Callable[[], object],
+                 indexed: Collection[str] = (), check_tokenizer: Callable[[dict], None] | None = None) -> Outputs:
+    """What the datastore indexes of each file (see the module docstring), as `Outputs`. `load_tokenizer()` is
+    called once, when a text file or chat record first needs it; `check_tokenizer(identity)` is then given its
+    `tokenizer_identity` and raises to refuse it. A file whose content hash is in `indexed` (a store's `sources`),
+    or equal to one read before it, is skipped.
 
     Raises `OSError` for a missing file and `ValueError` naming the file (and line) of anything it cannot read:
     not UTF-8, not JSON, a record of no known shape, a conversation without an assistant turn, or token ids outside
     `[0, vocab_size)` (for text, a tokenizer of another target)."""
-    tokenizer = None
+    out, tokenizer, indexed = Outputs(), None, set(indexed)
 
     def get_tokenizer():
         nonlocal tokenizer
         if tokenizer is None:
             tokenizer = load_tokenizer()
+            out.tokenizer = tokenizer_identity(tokenizer)
+            if check_tokenizer is not None:
+                check_tokenizer(out.tokenizer)
         return tokenizer
 
     for path in paths:  # all there before any is read
         if not Path(path).is_file():
             raise OSError(f"--data {str(path)!r}: no such file")
-    sequences: list[list[int]] = []
-    counts: Counter = Counter()
+    first: dict[str, Path] = {}
     for path in map(Path, paths):
+        digest = content_hash(path)
+        if digest in indexed or digest in first:
+            why = ("already in the store, indexed by an earlier run" if digest in indexed else
+                   "given twice" if first[digest].resolve() == path.resolve() else
+                   f"the same content as {first[digest]}")
+            out.skipped.append(f"{path}: {why}")
+            continue
+        first[digest] = path
+        out.sources.append(digest)
         if path.suffix == ".txt":
-            sequences.append(_text_file(path, get_tokenizer(), vocab_size))
-            counts["text files"] += 1
+            out.sequences.append(_text_file(path, get_tokenizer(), vocab_size))
+            out.counts["text files"] += 1
             continue
         for _, (_, (kind, found)) in json_records(path, lambda record: _record(record, get_tokenizer, vocab_size)):
-            sequences += found
-            counts[kind] += len(found)
-    return sequences, counts
+            out.sequences += found
+            out.counts[kind] += len(found)
+    return out
+
+
+def content_hash(path: Path) -> str:
+    """The SHA-256 of a file's bytes, in hex: what tells a file given again, under any name."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def describe(counts: Counter) -> str:
@@ -142,19 +186,93 @@ def _in_vocabulary(ids: list[int], vocab_size: int) -> list[int]:
     return list(ids)
 
 
-def store_vocab_size(vocab_size: int | None, config_path: Path) -> int:
-    """The store's vocabulary: `--vocab-size`, else the `target_vocab_size` of the `--output` drafter's
-    `config_path`, else the shipped drafter's."""
+@dataclass(frozen=True)
+class DrafterTarget:
+    """The target a drafter's `config` (its config.json) was made for: `name` (`target_name_or_path`, None when it
+    records none) and `vocab_size` (`target_vocab_size`)."""
+
+    name: str | None
+    vocab_size: int
+    config: Path
+
+
+def drafter_target(vocab_size: int | None, config_path: Path) -> DrafterTarget | None:
+    """The drafter a store is built for: the `--output` drafter's `config_path`, else (without `--vocab-size`) the
+    shipped drafter's; None for a store of `--vocab-size` alone. Raises `ValueError` naming a config that is not a
+    drafter's, unless `--vocab-size` is given (then it is not needed)."""
     from ..assets import DEFAULT_DRAFTER_DIR
 
-    if vocab_size is not None:
-        return vocab_size
     if not config_path.is_file():
+        if vocab_size is not None:
+            return None
         config_path = DEFAULT_DRAFTER_DIR / "config.json"
     try:
-        return int(json.loads(config_path.read_text(encoding="utf-8"))["target_vocab_size"])
-    except (UnicodeDecodeError, ValueError, KeyError, TypeError) as err:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        return DrafterTarget(config.get("target_name_or_path") or None, int(config["target_vocab_size"]), config_path)
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
+        if vocab_size is not None:
+            return None
         raise ValueError(f"{config_path} is not a drafter config ({err!r}); give --vocab-size") from None
+
+
+def check_tokenizer(identity: dict, drafter: DrafterTarget | None, store=None) -> None:
+    """Refuse (`ValueError` naming both) a tokenizer, given as its `tokenizer_identity`, that is not the one of the
+    `drafter`'s target: more ids than its vocabulary, or another model's name (compared by the last part of the
+    name or path, case aside; a drafter or tokenizer without one is not compared by name). Given the `store` it is
+    added to (a `Datastore`), refuse one whose fingerprint differs from the tokenizer the store was built with."""
+    mismatch = tokenizer_mismatch(getattr(store, "tokenizer", None), identity)
+    if mismatch is not None:
+        raise ValueError(f"--output's datastore {mismatch}: give --target the model it was built with, or --force "
+                         "to replace it; nothing was written")
+    if drafter is None:
+        return
+    size, name = identity.get("size"), identity.get("name_or_path")
+    too_big = size is not None and size > drafter.vocab_size
+    other_name = bool(drafter.name and name) and _model_name(drafter.name) != _model_name(name)
+    if not (too_big or other_name):
+        return
+    from ..assets import DEFAULT_DRAFTER_DIR
+
+    shipped = drafter.config == DEFAULT_DRAFTER_DIR / "config.json"
+    made_for = (f"{drafter.name} ({drafter.vocab_size} ids)" if drafter.name else
+                f"a target of {drafter.vocab_size} ids (its config names none)")
+    fix = f"give --target {drafter.name or 'the model the drafter was made for'}"
+    if shipped:
+        fix += f", or --vocab-size {size or 'N'} to build a store of this target's alone"
+    elif other_name and not too_big:
+        fix += f" (or, if --target is that model under another name, set target_name_or_path in {drafter.config})"
+    raise ValueError(f"--target's tokenizer is {describe_tokenizer(identity)}, but "
+                     f"{'the shipped drafter' if shipped else f'the drafter at {drafter.config.parent}'} was made for "
+                     f"{made_for}: {fix}; nothing was written")
+
+
+def _model_name(name_or_path: str) -> str:
+    """The model's name in `name_or_path`, as a Hub id and local copies share it: `org/Model-1B` and
+    `/models/model-1b/` both give `model-1b`."""
+    return Path(name_or_path.rstrip("/\\")).name.lower()
+
+
+@contextlib.contextmanager
+def removing_created_folders(output: Path) -> Iterator[None]:
+    """Run the block; when it raises, remove the folders it created on the way to `output` (they were missing
+    before: never one that was there), with the datastore file it may have left in them, and raise again."""
+    created = None
+    for folder in (output, *output.parents):
+        if folder.exists():
+            break
+        created = folder
+    try:
+        yield
+    except BaseException:
+        if created is not None:
+            for leftover in (output / DATASTORE_FILE, output / (DATASTORE_FILE + ".tmp")):
+                leftover.unlink(missing_ok=True)
+            for folder in (output, *output.parents):
+                with contextlib.suppress(OSError):  # a folder something else wrote into is left
+                    folder.rmdir()
+                if folder == created:
+                    break
+        raise
 
 
 def load_tokenizer(target: str | None):
