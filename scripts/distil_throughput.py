@@ -54,7 +54,8 @@ def positive(text: str) -> float:
 def measure(target, drafter, windows, batch_size: int, args) -> dict:
     import torch
 
-    from hf_treespark.training.distill import DistilTrainer, distil_batch
+    from hf_treespark.training.distill import distil_batch
+    from hf_treespark.training.distill_stream import DistilTrainer
 
     batches = [[next(windows) for _ in range(batch_size)] for _ in range(args.batches + 1)]
     distil_batch(target, drafter, batches[0], anchors=args.anchors)  # untimed: first-call costs

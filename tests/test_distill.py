@@ -17,18 +17,12 @@ import torch
 from conftest import make_drafter, make_target
 
 from hf_treespark import assets
-from hf_treespark.training import distill
+from hf_treespark.training import distill, distill_stream
 from hf_treespark.training.data import ReferenceSequence
 from hf_treespark.training.depth1 import PositionShards, block_signature, extract, grow_depth1_head
-from hf_treespark.training.distill import (
-    DistilTrainer,
-    StreamConfig,
-    distil_batch,
-    distil_stream,
-    distil_to_shards,
-    position_bytes,
-)
+from hf_treespark.training.distill import distil_batch, distil_to_shards, position_bytes
 from hf_treespark.training.distill_sources import TextSequence, sources_fingerprint, text_sequences
+from hf_treespark.training.distill_stream import DistilTrainer, StreamConfig, distil_stream
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -261,7 +255,7 @@ def test_streamed_training_learns_and_a_stopped_run_resumes_at_its_stream_positi
     assert 0 < at < 14 and step > 0 and step % 10 == 0
     distilled = []
     real = distill.distil_batch
-    monkeypatch.setattr(distill, "distil_batch",
+    monkeypatch.setattr(distill_stream, "distil_batch",
                         lambda t, d, batch, **kw: distilled.extend(batch) or real(t, d, batch, **kw))
     windows = resumed.stream["buffer"]["windows"]
     replayed, first = sum(count for _, count, _ in windows), windows[0][0]
