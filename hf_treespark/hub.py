@@ -45,6 +45,7 @@ from .card import (  # noqa: F401  (re-exported: the card and custom_generate/ a
 )
 from .configuration import TreeSparkConfig
 from .modeling import TreeSparkDrafter
+from .modeling_io import check_repo_id
 
 DSPARK_SHARED_KEYS = ("embed_tokens.weight", "lm_head.weight")  # the target's, stored by DSpark, bound by us
 _IGNORED_KEYS = ("rotary_emb.inv_freq",)  # a derived buffer some exporters store
@@ -102,8 +103,10 @@ def push_drafter_to_hub(
     at `repo_id`), unless `acceptance_table` is given; else one generated from the drafter's config (its
     `acceptance_profile` included). Creates the repo if needed. `options` are `push_to_hub`'s others
     (`revision`, `create_pr`, `commit_description`, `max_shard_size`, `tags`). Returns `huggingface_hub`'s
-    `CommitInfo`.
+    `CommitInfo`. Raises `ValueError` naming `repo_id` when it is not a repository name (None, empty, not a
+    string), before anything is saved or sent.
     """
+    check_repo_id(repo_id, "push_drafter_to_hub")
     _register_for_auto_classes(drafter)
     return push_drafter(drafter, repo_id, acceptance_table=acceptance_table, private=private, token=token,
                         commit_message=commit_message, **options)

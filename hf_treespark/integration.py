@@ -6,7 +6,7 @@ logits processors and the stopping criteria, then hands the decoding loop to the
 passes it every keyword that the callable declares beyond `_sample`'s. We wrap
 `GenerationMixin.generate` so that a TreeSpark `assistant_model` is re-routed to that path,
 renamed so that transformers does not also start its own assisted decoding. Every other call
-goes to the original `generate` untouched.
+goes to the original `generate` untouched (once a `custom_generate` path is known to exist, below).
 
 If a model class overrides `generate` itself, or transformers changes, the guard on
 `_get_candidate_generator` turns the opaque failure into a message naming
@@ -21,9 +21,10 @@ target's own token ids.
 
 What the routing can judge before transformers does, it refuses by name: an `assistant_model` that
 is not a model (`generate` takes the drafter itself, never a path; a pipeline takes a path or repo
-id too, and a local path with nothing there is named), and a drafter directory given as
+id too, and a local path with nothing there is named), a drafter directory given as
 `custom_generate` whose `custom_generate/` is damaged (the file is named, with the remedy: save the
-drafter again).
+drafter again), and, with or without a drafter, a `custom_generate` local directory that does not exist
+(transformers would send it to the Hub client as a repo id).
 """
 
 from __future__ import annotations
@@ -196,11 +197,36 @@ def _check_custom_generate(custom) -> None:
                          f"(drafter.save_pretrained({folder!r})) to write custom_generate/ again.")
 
 
+def _check_custom_generate_exists(custom) -> None:
+    """Refuse a `custom_generate` that names a local directory with nothing there (`FileNotFoundError` naming it
+    and what to pass): a path object, a path that is absolute or starts with `.` or `~`, or one that cannot be a
+    Hub repo id (`a/b/c`). transformers would hand it to the Hub client, which refuses it as a repo id. A callable,
+    a repo id or an existing path passes untouched."""
+    if not isinstance(custom, (str, os.PathLike)):
+        return
+    path = os.fspath(custom)
+    if os.path.exists(os.path.expanduser(path)):
+        return
+    if isinstance(custom, str) and not _looks_local(path) and not _cannot_be_repo_id(path):
+        return  # a Hub repo id: transformers fetches it
+    raise FileNotFoundError(f"custom_generate={path!r}: no such directory. Pass a directory holding "
+                            "custom_generate/generate.py (a saved TreeSpark drafter's directory, for one), or the Hub "
+                            "repo id ('org/name') of a repository holding one.")
+
+
+def _cannot_be_repo_id(name: str) -> bool:
+    """Whether `name` has more parts than a Hub repo id (`name` or `org/name`), or a backslash, which no repo id
+    holds. (The Hub client's own check is not imported: this module ships as remote code, which may import only
+    what transformers needs.)"""
+    return name.count("/") > 1 or "\\" in name
+
+
 @functools.wraps(_ORIGINAL_GENERATE)
 def _generate(self, *args, **kwargs):
     bound = inspect.signature(_ORIGINAL_GENERATE).bind_partial(self, *args, **kwargs)
     arguments = bound.arguments
     extra = arguments.pop("kwargs", {})
+    _check_custom_generate_exists(arguments.get("custom_generate"))
     assistant = arguments.get("assistant_model")
     if assistant is not None and not isinstance(assistant, torch.nn.Module):
         raise TypeError(_not_a_model(assistant))

@@ -15,7 +15,10 @@ inside a `try`, for the card): it ships beside `modeling.py` as remote code.
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
+import tempfile
 
 import torch
 from torch import nn
@@ -37,6 +40,9 @@ class DrafterSaving:
         The weights are written in `dtype`; by default in the dtype they were loaded from (a bfloat16
         checkpoint loaded as float32 is saved as bfloat16 again) when that loses nothing, else in the
         model's own dtype.
+
+        Raises `OSError` (errno `ENOSPC`, the writer's error chained) naming the directory, the bytes the save
+        needs and the bytes free there when the disk fills up; every other error as it comes.
         """
         try:
             from hf_treespark import card
@@ -45,6 +51,15 @@ class DrafterSaving:
         if card is not None and kwargs.pop("push_to_hub", False):
             return card.save_and_push(self, save_directory, *args, dtype=dtype, **kwargs)
         dtype = dtype or self._lossless_stored_dtype()
+        try:
+            return self._save_files(save_directory, card, dtype, *args, **kwargs)
+        except OSError as err:
+            if err.errno != errno.ENOSPC:
+                raise
+            raise OSError(errno.ENOSPC, self._disk_full_message(save_directory, dtype)) from err
+
+    def _save_files(self, save_directory, card, dtype: torch.dtype | None, *args, **kwargs):
+        """What `save_pretrained` writes (`card`: the package's `hf_treespark.card`, or None as remote code)."""
         os.makedirs(save_directory, exist_ok=True)
         if card is not None:
             card.write_custom_generate(save_directory)
@@ -70,12 +85,33 @@ class DrafterSaving:
         """Upload the drafter as `treespark push` does (`hf_treespark.card.push_drafter`): its TreeSpark model card,
         the weights, remote code, `custom_generate/` and the datastore. `options` are `PushToHubMixin.push_to_hub`'s
         (`commit_message`, `private`, `token`, `revision`, `create_pr`, `commit_description`, `max_shard_size`,
-        `tags`); `acceptance_table` is a measured table for a new card, as for `treespark push`."""
+        `tags`); `acceptance_table` is a measured table for a new card, as for `treespark push`.
+
+        Raises `ValueError` naming `repo_id` when it is not a repository name (None, empty, not a string), before
+        anything is saved or sent."""
+        check_repo_id(repo_id, "push_to_hub")
         try:
             from hf_treespark.card import push_drafter
         except ImportError:  # loaded as remote code, without the package: transformers' own upload
             return super().push_to_hub(repo_id, **options)
         return push_drafter(self, repo_id, acceptance_table=acceptance_table, **options)
+
+    def _disk_full_message(self, save_directory, dtype: torch.dtype | None) -> str:
+        """What a save into `save_directory` that filled the disk needed (the weights in `dtype`, else their own,
+        and the datastore's tensors), what is free there, and what to do."""
+        weights = sum(t.numel() * (dtype.itemsize if dtype is not None and t.is_floating_point() else t.element_size())
+                      for t in self.state_dict().values())
+        store = _datastore_bytes(self.datastore)
+        directory = os.path.abspath(save_directory)
+        free = _free_bytes(directory)
+        parts = f" ({_size(weights)} of weights, {_size(store)} of datastore)" if store else ""
+        message = (f"No space left on the disk of {directory}: saving the drafter there needs {_size(weights + store)}"
+                   f"{parts}, and {'an unknown number of bytes' if free is None else _size(free)} are free there. "
+                   "Free space on that disk, or save to another directory.")
+        if _is_staging(directory):
+            message += (" A push stages the drafter in a temporary directory like this one first: set TMPDIR to a "
+                        "directory on a disk with room.")
+        return message
 
     def _lossless_stored_dtype(self) -> torch.dtype | None:
         """The dtype of the checkpoint this drafter was loaded from, if every weight is still exact in it."""
@@ -117,6 +153,53 @@ class DrafterSaving:
         model.datastore = _load_datastore(pretrained_model_name_or_path, kwargs, model.config)
         _align_tensors(model)
         return (model, info) if want_info else model
+
+
+def _datastore_bytes(datastore) -> int:
+    """The bytes of `datastore`'s tensors as `Datastore.save` writes them (token ids in 16 bits below a vocabulary
+    of 65535, else 32); 0 for None."""
+    index = getattr(datastore, "index", None)
+    if index is None:
+        return 0
+    token_bytes = 2 if datastore.vocab_size < 65535 else 4
+    return int(index.tokens.size) * token_bytes + int(index.positions.nbytes)
+
+
+def _free_bytes(directory: str) -> int | None:
+    """The bytes free on the disk of `directory` (or of its nearest existing parent); None where that cannot be
+    read."""
+    path = directory
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def _is_staging(directory: str) -> bool:
+    """Whether `directory` looks like a `tempfile.TemporaryDirectory` (a push's staging directory): a `tmp*` folder
+    right inside the temporary directory."""
+    path = os.path.realpath(directory)
+    return (os.path.dirname(path) == os.path.realpath(tempfile.gettempdir())
+            and os.path.basename(path).startswith("tmp"))
+
+
+def _size(count: int) -> str:
+    """`count` bytes, with its size in the largest binary unit below it when that is KiB or more."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= scale:
+            return f"{count} bytes ({count / scale:.1f} {unit})"
+    return f"{count} bytes"
+
+
+def check_repo_id(repo_id, caller: str) -> str:
+    """`repo_id` when it is a non-empty string (the Hub judges its form); else `ValueError` naming `caller`'s
+    `repo_id` and what to pass."""
+    if isinstance(repo_id, str) and repo_id.strip():
+        return repo_id
+    raise ValueError(f"{caller} needs repo_id, the Hub repository to upload to: pass 'org/name' (or 'name' for one "
+                     f"under your own account); got {repo_id!r}")
 
 
 def nonfinite_tensors(model: nn.Module, limit: int = 8) -> list[str]:

@@ -33,7 +33,15 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from script_args import at_least, existing_dir, existing_file, non_negative_number, output_dir, positive_number
+from script_args import (
+    at_least,
+    check_range,
+    existing_dir,
+    existing_file,
+    non_negative_number,
+    output_dir,
+    positive_number,
+)
 from torch import nn
 
 import hf_treespark
@@ -250,6 +258,7 @@ def main() -> None:
     s.add_argument("--output", type=output_dir, required=True)
     args = p.parse_args()
     if args.command == "extract":
+        check_range(e, args.start, args.stop)
         extract(args.output, args.start, args.stop, args.data)
     elif args.command == "train":
         train(args.train_dir, args.dev_dir, args.variant, args.steps, args.lr, args.width,

@@ -111,3 +111,12 @@ def drafter_dir(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{config} is a {model_type!r} config, not a TreeSpark drafter's: give a "
                                          "drafter directory (e.g. runs/treespark/final)")
     return text
+
+
+def check_range(parser: argparse.ArgumentParser, start: int, stop: int, start_flag: str = "--start",
+                stop_flag: str = "--stop") -> None:
+    """Exit through `parser.error` (status 2, one line naming both options and their values) unless `start < stop`:
+    the half-open range `start..stop-1` would be empty, and the script would end having done nothing."""
+    if start >= stop:
+        parser.error(f"argument {start_flag}: {start_flag} {start} is not below {stop_flag} {stop}, so there is "
+                     f"nothing to do: give {start_flag} S {stop_flag} E with S < E (S to E-1 are done)")

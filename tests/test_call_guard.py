@@ -149,28 +149,54 @@ def test_the_guard_is_on_by_default_and_off_when_asked():
     assert all(r.tree_size == 0 for r in on.rounds[first_probe:first_probe + GUARD_PROBES])  # the first probes
 
 
+class FakeClock:
+    """A clock that stands still until `advance(seconds)` moves it: what the decoding loop and the session read
+    instead of `time.perf_counter` (both read it at call time), so that a round's seconds are exactly the time the
+    test made its parts take, however loaded the machine is."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 def test_a_probe_is_timed_by_its_target_forward_alone(monkeypatch):
-    """The plain pace a probe measures leaves out this loop's own work around the forward (the walk, the commit), which
-    a plain step in transformers' loop does not do; the judged rounds keep all of theirs."""
+    """The plain pace a probe measures leaves out this loop's own work around the forward (the drafter pass, the
+    walk, the commit), which a plain step in transformers' loop does not do; the judged rounds keep all of theirs.
+
+    Each part of a round takes a known time on an injected clock (the drafter pass 1 s, the target forward 2 s, the
+    commit 8 s; whole numbers, so every sum is exact): a probe counts 2 s, a judged round 11 s."""
     import time
 
     from hf_treespark import engine
 
     target = make_target("llama")
     drafter = make_drafter(target)
-    slow_commit = engine.TreeSparkSession.commit
+    clock = FakeClock()
+    monkeypatch.setattr(time, "perf_counter", clock)
 
-    def commit(self, *args):
-        time.sleep(0.05)
-        return slow_commit(self, *args)
+    def taking(seconds: float, original):
+        def timed(self, *args):
+            clock.advance(seconds)
+            return original(self, *args)
 
-    monkeypatch.setattr(engine.TreeSparkSession, "commit", commit)
+        return timed
+
+    for method, seconds in (("draft", 1.0), ("verify", 2.0), ("commit", 8.0)):
+        monkeypatch.setattr(engine.TreeSparkSession, method, taking(seconds, getattr(engine.TreeSparkSession, method)))
     guard = CallGuard(window=2, probes=2, margin=float("inf"), skip=0, recheck=100)
     out = target.generate(prompt(4, 7), assistant_model=drafter, do_sample=False, max_new_tokens=12, tree_guard=guard,
                           return_dict_in_generate=True)
-    assert sum(r.tree_size == 0 for r in out.rounds) == 2 and len(guard.probe_rounds) == 2
-    assert all(0 < seconds < 0.05 for seconds, _ in guard.probe_rounds)  # the forward, not the sleeping commit
-    assert all(seconds >= 0.05 for seconds, _ in guard.rounds)
+    assert [r.kind for r in out.rounds[:4]] == ["drafter", "drafter", "probe", "probe"]
+    assert [seconds for seconds, _ in guard.probe_rounds] == [2.0, 2.0]  # the forward, not the drafter or the commit
+    assert guard.rounds and all(seconds == 11.0 for seconds, _ in guard.rounds)  # the whole round
+    assert all(r.seconds == 11.0 for r in out.rounds)  # every round's record, the probes' included
+    first_stretch = guard.rounds[:2]  # judged against the two probes after it: seconds per committed token
+    assert guard.judgements == [(22.0 / sum(n for _, n in first_stretch), 2.0)]
 
 
 def test_a_stretch_faster_beyond_doubt_skips_its_probes_and_any_other_is_probed():

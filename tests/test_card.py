@@ -144,3 +144,54 @@ def test_a_pushed_drafters_weights_round_trip(monkeypatch, target, tmp_path):
     reloaded = TreeSparkDrafter.from_pretrained(tmp_path)
     for key, value in drafter.state_dict().items():
         assert torch.equal(reloaded.state_dict()[key], value), key
+
+
+@pytest.mark.parametrize("repo_id", [None, "", 42])
+@pytest.mark.parametrize("push", ["drafter.push_to_hub", "push_drafter_to_hub"])
+def test_a_push_without_a_repo_id_is_refused_naming_repo_id_before_anything_is_saved(monkeypatch, target, push,
+                                                                                      repo_id):
+    """`push_to_hub(None)` used to end in a TypeError from deep inside the card's writer."""
+    hub = FakeHub(monkeypatch)
+    drafter = tiny_drafter(target)
+    saves = []
+    monkeypatch.setattr(TreeSparkDrafter, "save_pretrained", lambda self, *args, **kwargs: saves.append(args))
+    call = drafter.push_to_hub if push == "drafter.push_to_hub" else lambda r: push_drafter_to_hub(drafter, r)
+    with pytest.raises(ValueError, match=rf"repo_id.*'org/name'.*got {repo_id!r}") as raised:
+        call(repo_id)
+    assert push.split(".")[-1] in str(raised.value)
+    assert not saves and not hub.repos and not hub.commits  # refused before the staging save and the Hub
+
+
+def test_a_full_disk_while_a_push_stages_the_drafter_names_the_staging_directory_and_tmpdir(monkeypatch, target):
+    """A push first saves the drafter into a temporary directory: on a full disk there, the error names that
+    directory, what it needed and what was free, and TMPDIR (which moves it); nothing reaches the Hub."""
+    import errno
+    import tempfile
+
+    from test_hub import disk_full
+
+    hub = FakeHub(monkeypatch)
+    drafter = tiny_drafter(target)
+    needed = sum(t.numel() * t.element_size() for t in drafter.state_dict().values())
+    disk_full(monkeypatch, free=99)
+    with pytest.raises(OSError) as raised:
+        drafter.push_to_hub("me/tiny")
+    message = str(raised.value)
+    assert raised.value.errno == errno.ENOSPC and raised.value.__cause__.errno == errno.ENOSPC
+    assert tempfile.gettempdir() in message and "TMPDIR" in message, message
+    assert f"needs {needed} bytes" in message and "99 bytes are free there" in message, message
+    assert not hub.repos and not hub.commits
+
+
+@pytest.mark.parametrize("repo_id", [None, ""])
+def test_the_training_push_helpers_refuse_a_missing_repo_id_naming_it(monkeypatch, target, tmp_path, repo_id):
+    """`treespark train`'s push helpers: the check before training, and the push after it (which would otherwise
+    report a failed upload to the repository None and a retry command with `--repo-id None`)."""
+    from hf_treespark.training.push import check_push_target, push_trained_drafter
+
+    hub = FakeHub(monkeypatch)
+    with pytest.raises(ValueError, match=rf"--push-to-hub needs a Hub repository id.*got {repo_id!r}"):
+        check_push_target(repo_id)
+    with pytest.raises(ValueError, match=rf"push_drafter_to_hub needs repo_id.*'org/name'.*got {repo_id!r}"):
+        push_trained_drafter(tiny_drafter(target), repo_id, tmp_path / "final")
+    assert not hub.repos and not hub.commits

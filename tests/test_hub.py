@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import errno
 import inspect
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import huggingface_hub
 import pytest
@@ -636,6 +639,49 @@ def test_plain_save_pretrained_writes_a_card_so_push_to_hub_uploads_one(tmp_path
     drafter.save_pretrained(tmp_path / "plain")
     card = (tmp_path / "plain" / "README.md").read_text()
     assert "treespark" in card.lower() and "assistant_model" in card
+
+
+def disk_full(monkeypatch, free: int, error: int = errno.ENOSPC) -> None:
+    """transformers' weights writer fails with `error` (by default as on a full disk), and every disk reports `free`
+    bytes free."""
+    import transformers.modeling_utils
+
+    def write(*args, **kwargs):
+        raise OSError(error, os.strerror(error))
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", write)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(total=10**12, used=10**12 - free, free=free))
+
+
+@pytest.mark.parametrize("with_datastore", [False, True])
+def test_a_full_disk_while_saving_names_the_directory_the_bytes_needed_and_the_space_free(tmp_path, monkeypatch,
+                                                                                         target, with_datastore):
+    """A full disk used to end in a bare `[Errno 28] No space left on device`."""
+    from safetensors.numpy import load_file as load_numpy
+
+    from hf_treespark.datastore import DATASTORE_FILE, Datastore
+
+    drafter = tiny_drafter(target)
+    needed = sum(t.numel() * t.element_size() for t in drafter.state_dict().values())
+    if with_datastore:
+        drafter.datastore = Datastore.build([list(range(5, 200)), list(range(7, 90))], V)
+        stored = drafter.datastore.save(tmp_path / "store")
+        assert stored.name == DATASTORE_FILE
+        needed += sum(array.nbytes for array in load_numpy(stored).values())
+    disk_full(monkeypatch, free=1234)
+    with pytest.raises(OSError) as raised:
+        drafter.save_pretrained(tmp_path / "out")
+    err = raised.value
+    assert err.errno == errno.ENOSPC and isinstance(err.__cause__, OSError) and err.__cause__.errno == errno.ENOSPC
+    assert str(tmp_path / "out") in str(err) and f"needs {needed} bytes" in str(err), str(err)
+    assert "1234 bytes (1.2 KiB) are free there" in str(err) and "another directory" in str(err), str(err)
+
+
+def test_an_error_other_than_a_full_disk_while_saving_is_left_as_it_is(tmp_path, monkeypatch, drafter):
+    disk_full(monkeypatch, free=1234, error=errno.EACCES)
+    with pytest.raises(PermissionError) as raised:
+        drafter.save_pretrained(tmp_path / "out")
+    assert raised.value.__cause__ is None and "bytes" not in str(raised.value)
 
 
 @pytest.mark.parametrize("recorded", ["SmolLM2-135M-Instruct", "/root/.cache/hf_treespark/smollm2-135m-instruct"])

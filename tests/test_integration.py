@@ -159,3 +159,42 @@ def test_a_damaged_custom_generate_folder_is_named_with_what_to_do(llama_pair, t
     with pytest.raises(ValueError, match=rf"custom_generate/{name}.*{problem}.*save_pretrained"):
         target.generate(torch.tensor([[1, 5, 9]]), assistant_model=drafter, max_new_tokens=4,
                         custom_generate=str(tmp_path / "drafter"), trust_remote_code=True)
+
+
+@pytest.mark.parametrize("with_drafter", [True, False])
+@pytest.mark.parametrize("given", ["./no/such/dir", "../no/such/dir", "absolute", "~/no/such/dir", "no/such/dir"])
+def test_a_custom_generate_directory_that_does_not_exist_is_named_with_what_to_pass(llama_pair, tmp_path, monkeypatch,
+                                                                                   given, with_drafter):
+    """A missing local directory used to reach the Hub client, which refused it as a repo id (HFValidationError)."""
+    target, drafter = llama_pair
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    path = str(tmp_path / "no" / "such" / "dir") if given == "absolute" else given
+    assistant = {"assistant_model": drafter} if with_drafter else {}
+    with pytest.raises(FileNotFoundError) as raised:
+        target.generate(torch.tensor([[1, 5, 9]]), max_new_tokens=4, custom_generate=path, trust_remote_code=True,
+                        **assistant)
+    message = str(raised.value)
+    assert f"custom_generate={path!r}: no such directory" in message, message
+    assert "custom_generate/generate.py" in message and "Hub repo id" in message, message
+
+
+def test_a_custom_generate_hub_repo_id_or_existing_directory_goes_to_transformers_as_given(llama_pair, tmp_path,
+                                                                                         monkeypatch):
+    """Only a missing local path is refused: a repo id, or a directory that exists, reaches transformers' own
+    `generate` with every argument as given."""
+    import functools
+
+    target, _ = llama_pair
+    calls = []
+
+    @functools.wraps(integration._ORIGINAL_GENERATE)
+    def original(self, *args, **kwargs):
+        calls.append(kwargs)
+        return "transformers"
+
+    monkeypatch.setattr(integration, "_ORIGINAL_GENERATE", original)
+    (tmp_path / "recipe" / "custom_generate").mkdir(parents=True)
+    for custom in ("org/name", "name", str(tmp_path / "recipe")):
+        assert target.generate(torch.tensor([[1]]), custom_generate=custom, trust_remote_code=True) == "transformers"
+        assert calls.pop() == {"custom_generate": custom, "trust_remote_code": True}

@@ -293,3 +293,14 @@ def test_compare_checkouts_refuses_bad_input_before_loading(tmp_path, case):
         "unknown suite": (["run", prompts, "nope", "old", tmp_path / "r.jsonl"], ["suite", "'nope'"]),
     }[case]
     assert_refused(run_script(tmp_path, "compare_checkouts.py", *args), *expected)
+
+
+@pytest.mark.parametrize("start, stop", [(5, 3), (4, 4)])
+def test_depth2_probe_refuses_a_start_not_below_its_stop_before_loading(tmp_path, start, stop):
+    """`extract --start 5 --stop 3` used to exit 0 having extracted nothing."""
+    data = write(tmp_path / "refs.jsonl", REFERENCE)  # never the shared data, even where the range is not refused
+    done = run_script(tmp_path, "depth2_probe.py", "extract", tmp_path / "out", "--start", start, "--stop", stop,
+                      "--data", data)
+    assert done.returncode == 2, done.stderr
+    assert_refused(done, f"--start {start}", f"--stop {stop}", "below")
+    assert not (tmp_path / "out").exists()  # nothing created, nothing loaded

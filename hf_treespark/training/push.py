@@ -17,11 +17,15 @@ _HUB_PACKAGES = {"huggingface_hub", "httpx", "httpx2", "httpcore", "requests", "
 
 
 def check_push_target(repo_id: str, option: str = "--push-to-hub") -> None:
-    """Refuse, before any work, a push that cannot succeed: a repository id the Hub would reject, or
-    `HF_HUB_OFFLINE` set (the upload would fail once training is done)."""
+    """Refuse, before any work, a push that cannot succeed: no repository id (None or empty), one the Hub would
+    reject, or `HF_HUB_OFFLINE` set (the upload would fail once training is done). Raises `ValueError` naming
+    `option`."""
     from huggingface_hub import constants
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
+    if not isinstance(repo_id, str) or not repo_id.strip():
+        raise ValueError(f"{option} needs a Hub repository id (ORG/NAME, or NAME for one under your own account); "
+                         f"got {repo_id!r}")
     try:
         validate_repo_id(repo_id)
     except HFValidationError as err:
@@ -49,9 +53,12 @@ def push_command(drafter_dir: str | os.PathLike, repo_id: str) -> str:
 
 def push_trained_drafter(drafter, repo_id: str, final: Path):
     """`hub.push_drafter_to_hub(drafter, repo_id)` for the drafter just saved to `final`; a failed upload raises
-    `RuntimeError` in one line naming what failed, `final` (kept) and the command that retries it."""
+    `RuntimeError` in one line naming what failed, `final` (kept) and the command that retries it. No `repo_id`
+    (None or empty) raises `push_drafter_to_hub`'s `ValueError` naming it, as it is: there is no upload to retry."""
     from ..hub import push_drafter_to_hub
+    from ..modeling_io import check_repo_id
 
+    check_repo_id(repo_id, "push_drafter_to_hub")
     try:
         return push_drafter_to_hub(drafter, repo_id)
     except Exception as err:  # every failed upload: the trained drafter is safe in final/ either way
