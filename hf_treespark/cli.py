@@ -294,6 +294,13 @@ def cmd_distil(args) -> int:
     return run(args)
 
 
+def cmd_answers(args) -> int:
+    """`hf_treespark.training.answers_cli.run`."""
+    from .training.answers_cli import run
+
+    return run(args)
+
+
 def cmd_export(args) -> int:
     """Write the drafter of a training checkpoint to a drafter directory."""
     from .training.export import export_checkpoint
@@ -390,6 +397,8 @@ def commands() -> tuple[Command, ...]:
                                 "--help)", cli_args.add_train_depth1_arguments, cmd_train_depth1, refuse_empty=False),
         Command("distil", "train a drafter's depth-1 head on positions distilled from any text, labelled by the "
                           "target's own argmax (resumable; see --help)", cli_args.add_distil_arguments, cmd_distil),
+        Command("answers", "the target's own answers to an endless prompt supply, continuously batched, as "
+                           "training data (resumable; see --help)", cli_args.add_answers_arguments, cmd_answers),
         Command("export", "write the drafter of a training checkpoint to a drafter directory",
                 cli_args.add_export_arguments, cmd_export),
         Command("push", "upload a trained drafter and its model card to the Hugging Face Hub",

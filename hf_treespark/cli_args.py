@@ -151,6 +151,12 @@ def add_distil_arguments(parser: argparse.ArgumentParser) -> None:
     add_arguments(parser)
 
 
+def add_answers_arguments(parser: argparse.ArgumentParser) -> None:
+    from .training.answers_cli import add_arguments
+
+    add_arguments(parser)
+
+
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     from .training.export import EXPORT_DTYPES
 

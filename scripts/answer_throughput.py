@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=at_least(1), default=32, help="rows of the regeneration baseline")
     parser.add_argument("--max-new-tokens", type=at_least(1), default=256)
     parser.add_argument("--max-prompt-tokens", type=at_least(1), default=384)
+    parser.add_argument("--spare", type=at_least(1), default=128,
+                        help="cache slots beyond the longest row span (decoding steps between rolls)")
+    parser.add_argument("--chunk-rows", type=at_least(0), default=16, help="rows sharing an attention window")
     parser.add_argument("--no-baseline", action="store_true", help="time the continuous generator only")
     parser.add_argument("--output", help="write the table's rows as JSON here")
     args = parser.parse_args(argv)
@@ -83,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
 
     for slots in args.slots:
         config = AnswerConfig(slots=slots, max_new_tokens=args.max_new_tokens,
-                              max_prompt_tokens=args.max_prompt_tokens)
+                              max_prompt_tokens=args.max_prompt_tokens, spare=args.spare,
+                              chunk_rows=args.chunk_rows)
         generator = AnswerGenerator(target, eos, config)
         began = time.perf_counter()
         got = {a.key: a.response_ids for a in generator.run((p.id, ids) for p, ids in prompts)}

@@ -26,17 +26,21 @@ def _alone(target, ids: list[int], eos: int, max_new: int) -> list[int]:
     return row[: next((i + 1 for i, t in enumerate(row) if t == eos), len(row))]
 
 
-@pytest.mark.parametrize("arch, attn", [("llama", "sdpa"), ("qwen3", "eager"), ("mistral", "sdpa")])
-def test_every_answer_is_what_the_prompt_alone_gets_greedily(arch, attn):
+@pytest.mark.parametrize("arch, attn, chunk_rows", [("llama", "sdpa", 2), ("llama", "sdpa", 0), ("qwen3", "eager", 2),
+                                                    ("mistral", "sdpa", 16), ("qwen2", "sdpa", 1)])
+def test_every_answer_is_what_the_prompt_alone_gets_greedily(arch, attn, chunk_rows):
     """Three rows for 14 prompts of 1-12 tokens: rows are refilled as answers end (some at an EOS, some at the
-    cap), and the cache rolls (2 spare slots), yet each answer is plain greedy decoding's, token for token."""
+    cap), the cache rolls (2 spare slots) and sorts its rows, and sdpa targets read each chunk of rows' own window
+    of the cache (`chunk_rows`), yet each answer is plain greedy decoding's, token for token."""
     target = make_target(arch, attn=attn)
     prompts, max_new = _prompts(14), 10
     # an EOS that some answers reach early: a token the first prompts' capped answers produce mid-way
     firsts = [_alone(target, ids, eos=-1, max_new=max_new) for _, ids in prompts[:4]]
     eos = next(row[3] for row in firsts if len(row) > 3)
-    config = AnswerConfig(slots=3, max_new_tokens=max_new, max_prompt_tokens=12, spare=2)
+    config = AnswerConfig(slots=3, max_new_tokens=max_new, max_prompt_tokens=12, spare=2, chunk_rows=chunk_rows,
+                          sort_every=3)
     generator = AnswerGenerator(target, [eos], config)
+    assert generator.ragged == (attn == "sdpa" and chunk_rows > 0)
     answers = list(generator.run(iter(prompts)))
     assert sorted(a.key for a in answers) == sorted(k for k, _ in prompts)
     by_key = {a.key: a for a in answers}
@@ -47,7 +51,7 @@ def test_every_answer_is_what_the_prompt_alone_gets_greedily(arch, attn):
         assert by_key[key].response_ids == expected, key
         ended_early += len(expected) < max_new
     assert 0 < ended_early < len(prompts)  # both ways of ending were exercised
-    assert generator.prefills > 1 and generator.rolls > 1
+    assert generator.prefills > 1 and generator.rolls > 1 and generator.sorts > generator.rolls * generator.ragged
     assert generator.steps < sum(len(a.response_ids) for a in answers)  # rows decoded together
 
 

@@ -24,14 +24,84 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import threading
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache, StaticCache
 
 from ..verify import cache_kwarg
+
+RAGGED_SDPA = "treespark_ragged_decode"
+_PLAN = threading.local()  # the decoding step's chunks, read by `ragged_decode_attention` (one per thread)
+
+
+@dataclass
+class _Chunk:
+    """Rows `first .. last - 1` of a decoding step attend to cache slots `low .. t`, under `mask`
+    `[rows, 1, 1, t + 1 - low]` (0 where a row may attend, the dtype's minimum before its own first slot)."""
+
+    first: int
+    last: int
+    low: int
+    mask: torch.Tensor
+
+
+def ragged_decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                            is_causal=None, **kwargs):
+    """sdpa attention for one query token per row in which each chunk of rows reads only the cache slots its rows
+    use (`_PLAN.chunks`, `_PLAN.t`), not the whole preallocated cache; grouped-query heads are stacked per key/value
+    head (`[rows, kv_heads, groups, head_dim]`), so the cache is never repeated. Anything else (a prefill, no plan)
+    goes to transformers' sdpa unchanged. Takes and returns what transformers' attention functions do
+    (`query` `[b, heads, 1, d]`, `key`/`value` `[b, kv_heads, cache_len, d]`; out `[b, 1, heads, d]`)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    chunks = getattr(_PLAN, "chunks", None)
+    if chunks is None or query.shape[2] != 1 or kwargs.get("softcap") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    b, heads, _, dim = query.shape
+    kv_heads, end = key.shape[1], _PLAN.t + 1
+    stacked = query.reshape(b, kv_heads, heads // kv_heads, dim)  # (B, KV, G, D)
+    out = query.new_empty(b, kv_heads, heads // kv_heads, value.shape[-1])
+    for chunk in chunks:
+        rows = slice(chunk.first, chunk.last)
+        out[rows] = F.scaled_dot_product_attention(stacked[rows], key[rows, :, chunk.low:end],
+                                                   value[rows, :, chunk.low:end], attn_mask=chunk.mask, scale=scaling)
+    return out.reshape(b, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+def _register_ragged() -> bool:
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    except ImportError:
+        return False
+    AttentionInterface.register(RAGGED_SDPA, ragged_decode_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(RAGGED_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    return True
+
+
+_RAGGED_REGISTERED = _register_ragged()
+
+
+@contextmanager
+def _ragged_attention(model, enabled: bool) -> Iterator[None]:
+    """Within the block, an sdpa `model` uses `ragged_decode_attention` (when `enabled`)."""
+    config = model.config
+    if not enabled:
+        yield
+        return
+    config._attn_implementation = RAGGED_SDPA
+    try:
+        yield
+    finally:
+        config._attn_implementation = "sdpa"
+        _PLAN.chunks = None
 
 
 @dataclass
@@ -46,6 +116,8 @@ class AnswerConfig:
     temperature: float = 1.0  # with do_sample
     seed: int = 0  # with do_sample
     prefill_tokens: int = 4096  # most prompt tokens prefilled in one forward (several freed rows together)
+    chunk_rows: int = 8  # rows that share an attention window (sdpa targets; 0: every row reads the whole cache)
+    sort_every: int = 32  # decoding steps between two sorts of the rows by their first slot (with chunk_rows)
 
     @property
     def cache_len(self) -> int:
@@ -76,17 +148,25 @@ class AnswerGenerator:
         self.eos = torch.tensor(sorted(set(eos_ids)), device=self.device)
         if not len(self.eos):
             raise ValueError("AnswerGenerator needs at least one EOS id")
+        self.eos_set = set(self.eos.tolist())
         self.cache_arg = cache_kwarg(target)
         self.random = torch.Generator(device=self.device).manual_seed(self.config.seed)
         self.steps = 0  # decoding forwards run
         self.prefills = 0  # prefill forwards run
         self.rolls = 0  # times the cache's slots were moved left
+        self.sorts = 0  # times the rows were put in order of their first slot (rolls included)
+        self.ragged = (self.config.chunk_rows > 0 and _RAGGED_REGISTERED
+                       and getattr(target.config, "_attn_implementation", None) == "sdpa")
 
     # ----- the loop ------------------------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def run(self, prompts: Iterable[tuple[object, list[int]]]) -> Iterator[Answer]:
         """Yield an `Answer` for every `(key, prompt_ids)` of `prompts` (an iterable, read as rows free up)."""
+        with _ragged_attention(self.target, self.ragged):
+            yield from self._run(prompts)
+
+    @torch.inference_mode()
+    def _run(self, prompts: Iterable[tuple[object, list[int]]]) -> Iterator[Answer]:
         cfg = self.config
         pending = iter(prompts)
         rows: list[dict | None] = [None] * cfg.slots  # per row: key, prompt, answer so far, start slot
@@ -94,7 +174,7 @@ class AnswerGenerator:
         t = cfg.max_prompt_tokens  # the shared write slot: room for the longest prompt before it
         self._set_length(cache, t)
         next_tokens = torch.zeros(cfg.slots, dtype=torch.long, device=self.device)
-        exhausted = False
+        exhausted, sorted_at = False, 0
         while True:
             free = [r for r, row in enumerate(rows) if row is None]
             if free and not exhausted:
@@ -118,15 +198,20 @@ class AnswerGenerator:
             live = [r for r, row in enumerate(rows) if row is not None]
             if not live:
                 return
-            if t == cfg.cache_len:
-                t = self._roll(cache, rows, t)
+            if t == cfg.cache_len or (self.ragged and self.steps - sorted_at >= cfg.sort_every):
+                t, order = self._roll(cache, rows, t, shift=t == cfg.cache_len)
+                sorted_at = self.steps
+                rows[:] = [rows[i] for i in order]
+                next_tokens = next_tokens[torch.tensor(order, device=self.device)]
+                continue  # the rows moved: list the live ones again
             logits = self._step(cache, rows, next_tokens, t)  # [slots, V]
             t += 1
             chosen = self._choose(logits)
+            next_tokens = chosen
+            picked = chosen.tolist()
             for r in live:
-                token = int(chosen[r])
+                token = picked[r]
                 rows[r]["answer"].append(token)
-                next_tokens[r] = token
                 if self._finished(rows[r]):
                     yield self._answer(rows[r])
                     rows[r] = None
@@ -141,7 +226,7 @@ class AnswerGenerator:
 
     def _finished(self, row: dict) -> bool:
         answer = row["answer"]
-        return len(answer) >= self.config.max_new_tokens or bool((self.eos == answer[-1]).any())
+        return len(answer) >= self.config.max_new_tokens or answer[-1] in self.eos_set
 
     @staticmethod
     def _answer(row: dict) -> Answer:
@@ -170,22 +255,28 @@ class AnswerGenerator:
         for layer in cache.layers:
             layer.cumulative_length.fill_(t)
 
-    def _roll(self, cache: StaticCache, rows: list[dict | None], t: int) -> int:
-        """Move every row's slots left by the same amount, keeping the longest prompt's room before the write
-        slot; returns the new write slot."""
+    def _roll(self, cache: StaticCache, rows: list[dict | None], t: int, shift: bool = True) -> tuple[int, list[int]]:
+        """Put the rows in order of their first slot (oldest first, free rows last), so that rows of similar spans
+        share an attention window, and (`shift`) move every row's slots left by the same amount, keeping the
+        longest prompt's room before the write slot. Returns the new write slot and the order (new row i was row
+        `order[i]`)."""
         starts = [row["start"] for row in rows if row is not None]
-        shift = min(min(starts), t - self.config.max_prompt_tokens)
-        if shift <= 0:
+        move = min(min(starts), t - self.config.max_prompt_tokens) if shift else 0
+        if shift and move <= 0:
             raise RuntimeError("the answer cache cannot roll: a row outgrew max_prompt_tokens + max_new_tokens")
+        order = sorted(range(len(rows)), key=lambda r: rows[r]["start"] if rows[r] is not None else t)
+        index = torch.tensor(order, device=self.device)
+        low = min(starts) - move if not shift else 0  # a sort alone moves the slots in use only
         for layer in cache.layers:
-            layer.keys[:, :, : t - shift] = layer.keys[:, :, shift:t].clone()
-            layer.values[:, :, : t - shift] = layer.values[:, :, shift:t].clone()
+            layer.keys[:, :, low: t - move] = layer.keys[index, :, low + move:t]
+            layer.values[:, :, low: t - move] = layer.values[index, :, low + move:t]
         for row in rows:
             if row is not None:
-                row["start"] -= shift
-        self._set_length(cache, t - shift)
-        self.rolls += 1
-        return t - shift
+                row["start"] -= move
+        self._set_length(cache, t - move)
+        self.rolls += shift
+        self.sorts += 1
+        return t - move, order
 
     def _step(self, cache: StaticCache, rows: list[dict | None], tokens: torch.Tensor, t: int) -> torch.Tensor:
         """One decoding forward: every row's `tokens` written at slot `t`; returns the logits `[slots, V]`."""
@@ -195,11 +286,22 @@ class AnswerGenerator:
         allowed = (slots[None, :] >= starts[:, None]) & (slots[None, :] <= t)  # [slots, cache_len]
         mask = torch.zeros(allowed.shape, dtype=self.target.dtype, device=self.device)
         mask.masked_fill_(~allowed, torch.finfo(self.target.dtype).min)
+        if self.ragged:
+            _PLAN.t, _PLAN.chunks = t, self._chunks(starts, mask, t)
         out = self.target(input_ids=tokens[:, None], position_ids=(t - starts)[:, None],
                           attention_mask=mask[:, None, None, :], use_cache=True, logits_to_keep=1,
                           **{self.cache_arg: cache})
         self.steps += 1
         return out.logits[:, -1]
+
+    def _chunks(self, starts: torch.Tensor, mask: torch.Tensor, t: int) -> list[_Chunk]:
+        """Consecutive rows, `chunk_rows` at a time, each chunk reading from its oldest row's first slot."""
+        chunks, size = [], self.config.chunk_rows
+        for first in range(0, len(starts), size):
+            last = min(first + size, len(starts))
+            low = int(starts[first:last].min())
+            chunks.append(_Chunk(first, last, low, mask[first:last, None, None, low: t + 1]))
+        return chunks
 
     def _prefill(self, cache: StaticCache, t: int, fresh: list[tuple[int, object, list[int]]]) -> dict[int, int]:
         """Prefill the prompts of `fresh` (`(row, key, ids)`) into their rows, ending at slot `t`; returns each row's
@@ -222,6 +324,7 @@ class AnswerGenerator:
         for i, (_, _, prompt) in enumerate(group):
             ids[i, : len(prompt)] = torch.tensor(prompt, device=self.device)
         own = DynamicCache()
+        _PLAN.chunks = None  # a prefill attends as sdpa does
         out = self.target(input_ids=ids, use_cache=True, **{self.cache_arg: own})
         self.prefills += 1
         lengths = torch.tensor([len(p) for _, _, p in group], device=self.device)
@@ -258,13 +361,15 @@ class AnswerShards:
     def paths(self) -> list[Path]:
         return sorted(self.directory.glob("answers-*.jsonl.gz"))
 
-    def done(self) -> set[str]:
-        """The ids of every answer in a complete shard."""
-        ids = set()
+    def records(self) -> Iterator[dict]:
+        """Every answer in a complete shard, in shard order."""
         for path in self.paths():
             with gzip.open(path, "rt", encoding="utf-8") as f:
-                ids.update(json.loads(line)["id"] for line in f if line.strip())
-        return ids
+                yield from (json.loads(line) for line in f if line.strip())
+
+    def done(self) -> set[str]:
+        """The ids of every answer in a complete shard."""
+        return {record["id"] for record in self.records()}
 
     def add(self, record: dict) -> None:
         self.pending.append(record)
