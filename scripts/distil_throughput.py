@@ -54,7 +54,7 @@ def positive(text: str) -> float:
 def measure(target, drafter, windows, batch_size: int, args) -> dict:
     import torch
 
-    from hf_treespark.training.distill import distil_batch
+    from hf_treespark.training.distill_extract import distil_batch
     from hf_treespark.training.distill_stream import DistilTrainer
 
     batches = [[next(windows) for _ in range(batch_size)] for _ in range(args.batches + 1)]

@@ -17,10 +17,10 @@ import torch
 from conftest import make_drafter, make_target
 
 from hf_treespark import assets
-from hf_treespark.training import distill, distill_stream
+from hf_treespark.training import distill, distill_extract, distill_stream
 from hf_treespark.training.data import ReferenceSequence
 from hf_treespark.training.depth1 import PositionShards, block_signature, extract, grow_depth1_head
-from hf_treespark.training.distill import distil_batch, distil_to_shards, position_bytes
+from hf_treespark.training.distill_extract import distil_batch, distil_to_shards, position_bytes
 from hf_treespark.training.distill_sources import TextSequence, sources_fingerprint, text_sequences
 from hf_treespark.training.distill_stream import DistilTrainer, StreamConfig, distil_stream
 
@@ -97,7 +97,7 @@ def test_a_bf16_targets_drafter_passes_run_in_bf16_and_match_float32_passes(grow
     target, drafter = grown
     target = target.to(torch.bfloat16)
     sequences = motif_sequences(3)
-    seen, references, real = [], [], distill._anchor_states
+    seen, references, real = [], [], distill_extract._anchor_states
 
     def spy(d, ids, features, *rest):
         seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
@@ -105,7 +105,7 @@ def test_a_bf16_targets_drafter_passes_run_in_bf16_and_match_float32_passes(grow
             references.append(real(d, ids, features.float(), *rest))
         return real(d, ids, features, *rest)
 
-    monkeypatch.setattr(distill, "_anchor_states", spy)
+    monkeypatch.setattr(distill_extract, "_anchor_states", spy)
     got = distil_batch(target, drafter, sequences, anchors="all")
     assert seen == [torch.bfloat16] and drafter.fc.weight.dtype == torch.float32
     full = {"hidden": references[0].to(torch.bfloat16)}
@@ -254,7 +254,7 @@ def test_streamed_training_learns_and_a_stopped_run_resumes_at_its_stream_positi
     at, step = resumed.stream["sequences_done"], resumed.step
     assert 0 < at < 14 and step > 0 and step % 10 == 0
     distilled = []
-    real = distill.distil_batch
+    real = distill_stream.distil_batch
     monkeypatch.setattr(distill_stream, "distil_batch",
                         lambda t, d, batch, **kw: distilled.extend(batch) or real(t, d, batch, **kw))
     windows = resumed.stream["buffer"]["windows"]

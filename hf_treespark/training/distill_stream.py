@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from .depth1 import Depth1Trainer
-from .distill import _batched, distil_batch
+from .distill_extract import _batched, distil_batch
 from .distill_sources import TextSequence
 
 
