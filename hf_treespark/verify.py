@@ -65,18 +65,20 @@ def _grouped_mask(mask: torch.Tensor, key_len: int, groups: int) -> torch.Tensor
     return repeated
 
 
-def _register_grouped_sdpa() -> bool:
+def register_sdpa_variant(name: str, attention) -> bool:
+    """Register `attention` with transformers under `name`, masked as sdpa is; False where this transformers has no
+    attention registry (the variant is then never used)."""
     try:
         from transformers import AttentionInterface
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     except ImportError:
         return False
-    AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(GROUPED_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    AttentionInterface.register(name, attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
     return True
 
 
-_GROUPED_SDPA_REGISTERED = _register_grouped_sdpa()
+_GROUPED_SDPA_REGISTERED = register_sdpa_variant(GROUPED_SDPA, grouped_sdpa_attention)
 
 
 @contextmanager

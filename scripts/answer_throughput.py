@@ -20,18 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from script_args import at_least  # noqa: E402
-
-
-def whole_numbers(text: str) -> list[int]:
-    """argparse type: whole numbers >= 1 separated by commas."""
-    try:
-        values = [int(item) for item in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"must be whole numbers >= 1 separated by commas, got {text!r}")
-    return values
+from script_args import at_least, whole_numbers  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,19 +14,13 @@ conversations, assistant positions) gives `--batches` timed batches, after one u
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
+from pathlib import Path
 
-
-def whole_numbers(text: str) -> list[int]:
-    """argparse type: whole numbers >= 1 separated by commas."""
-    try:
-        values = [int(item) for item in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"must be whole numbers >= 1 separated by commas, got {text!r}")
-    return values
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from script_args import whole_numbers  # noqa: E402
 
 
 def at_least_one(text: str) -> int:

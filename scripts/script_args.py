@@ -27,6 +27,17 @@ def at_least(minimum: int):
     return count
 
 
+def whole_numbers(text: str) -> list[int]:
+    """argparse type: whole numbers >= 1 separated by commas."""
+    try:
+        values = [int(item) for item in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"must be whole numbers >= 1 separated by commas, got {text!r}")
+    return values
+
+
 def _finite(text: str) -> float:
     try:
         value = float(text)

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, StaticCache
 
-from ..verify import cache_kwarg
+from ..verify import cache_kwarg, register_sdpa_variant
 
 RAGGED_SDPA = "treespark_ragged_decode"
 _PLAN = threading.local()  # the decoding step's chunks, read by `ragged_decode_attention` (one per thread)
@@ -75,18 +75,7 @@ def ragged_decode_attention(module, query, key, value, attention_mask, dropout: 
     return out.reshape(b, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
-def _register_ragged() -> bool:
-    try:
-        from transformers import AttentionInterface
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-    except ImportError:
-        return False
-    AttentionInterface.register(RAGGED_SDPA, ragged_decode_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(RAGGED_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-    return True
-
-
-_RAGGED_REGISTERED = _register_ragged()
+_RAGGED_REGISTERED = register_sdpa_variant(RAGGED_SDPA, ragged_decode_attention)
 
 
 @contextmanager
