@@ -1,7 +1,7 @@
 """The TreeSpark Gradio demo: `python demo/app.py [--target NAME_OR_PATH] [--drafter NAME_OR_PATH] [--port 7860]`.
 
 The same as `treespark demo`. The app itself lives in the package (so the installed command has it):
-the page in `hf_treespark/demo.py`, the run it drives in `hf_treespark/demo_run.py`; `build_app` is
+the page in `hf_treespark/demo/page.py`, the run it drives in `hf_treespark/demo/run.py`; `build_app` is
 re-exported here for scripts that want the `gr.Blocks` object.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import sys
 
-from hf_treespark.cli import main as treespark_main
-from hf_treespark.demo import build_app, launch
+from hf_treespark.cli.commands import main as treespark_main
+from hf_treespark.demo.page import build_app, launch
 
 __all__ = ["build_app", "launch", "main"]
 

@@ -16,8 +16,9 @@ import time
 import torch
 
 import hf_treespark
-from hf_treespark import TreeSparkConfig, TreeSparkDrafter, assets
-from hf_treespark.exactness import check_greedy_equivalence
+from hf_treespark import TreeSparkConfig, TreeSparkDrafter
+from hf_treespark.core.exactness import check_greedy_equivalence
+from hf_treespark.hub import assets
 
 
 def main() -> None:

@@ -7,12 +7,14 @@
 import torch
 from transformers import AutoConfig, AutoModel
 
-from . import integration
-from .configuration import TreeSparkConfig
-from .cpu_gemm import pack_linear_layers, unpack_linear_layers
-from .generation import RoundRecord, TreeSparkCandidateGenerator, TreeSparkGenerateOutput
-from .modeling import TreeSparkDrafter
-from .tree import DraftTree, TreePolicy, build_tree
+from .core.cpu_gemm import pack_linear_layers, unpack_linear_layers
+from .core.tree import DraftTree, TreePolicy, build_tree
+from .decoding import integration
+from .decoding.generation import RoundRecord, TreeSparkCandidateGenerator, TreeSparkGenerateOutput
+from .drafter import modeling_io
+from .drafter.configuration import TreeSparkConfig
+from .drafter.modeling import TreeSparkDrafter
+from .hub import card as _card
 from .version import __version__  # noqa: F401  (hf_treespark.__version__)
 
 AutoConfig.register("treespark", TreeSparkConfig, exist_ok=True)
@@ -20,6 +22,7 @@ AutoModel.register(TreeSparkConfig, TreeSparkDrafter, exist_ok=True)
 TreeSparkConfig.register_for_auto_class()
 TreeSparkDrafter.register_for_auto_class("AutoModel")
 integration.install()
+modeling_io.use_sharing(_card)  # saves and pushes write the model card and custom_generate/
 
 
 def generate(target, drafter, input_ids=None, **kwargs):
@@ -39,14 +42,14 @@ def load_default_target(dtype="auto", device="cpu", cpu_pack="auto"):
 
     On a CPU its linear layers use prepacked oneDNN kernels unless `cpu_pack=False` (`cpu_gemm.py`).
     """
-    from .loading import load_target
+    from .hub.loading import load_target
 
     return load_target(None, dtype=dtype, device=device, cpu_pack=cpu_pack)
 
 
 def load_default_drafter(dtype="auto", device="cpu", cpu_pack="auto"):
     """The TreeSpark drafter shipped in the package, for SmolLM2-135M-Instruct (`loading.load_drafter`)."""
-    from .loading import load_drafter
+    from .hub.loading import load_drafter
 
     return load_drafter(None, dtype=dtype, device=device, cpu_pack=cpu_pack)
 

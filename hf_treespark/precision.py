@@ -4,7 +4,7 @@ bfloat16 on CUDA devices that compute it natively (float16 on older ones) and on
 instructions (x86 `avx512_bf16` or `amx_bf16`, Arm `bf16`); float32 elsewhere. On this project's
 2-core CPU, bf16 runs SmolLM2-135M about 1.7x faster than float32 end to end. Greedy output in half
 precision may differ from float32 at floating-point near-ties of the target's logits
-(`hf_treespark.exactness`); pass `dtype="fp32"` for bit-exact comparisons.
+(`hf_treespark.core.exactness`); pass `dtype="fp32"` for bit-exact comparisons.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Fit the datastore's step-probability calibration (`hf_treespark.datastore.DATASTORE_CALIBRATION`).
+"""Fit the datastore's step-probability calibration (`hf_treespark.sources.datastore.DATASTORE_CALIBRATION`).
 
 A store is built from the target's responses in every reference file but the held-out one; at every other
 position of the first `--positions` tokens of 300 held-out answers, each node of the retrieved trie whose parent
@@ -23,7 +23,7 @@ from script_args import at_least, existing_file
 
 
 def examples(store, heldout, positions: int):
-    from hf_treespark import datastore
+    from hf_treespark.sources import datastore
 
     rows, labels = [], []
     for ref in heldout:
@@ -77,8 +77,8 @@ def main() -> None:
     parser.add_argument("--positions", type=at_least(2), default=128)
     args = parser.parse_args()
 
-    from hf_treespark import datastore
-    from hf_treespark.datastore import Datastore, sequences_from_references
+    from hf_treespark.sources import datastore
+    from hf_treespark.sources.datastore import Datastore, sequences_from_references
     from hf_treespark.training.data import load_references
 
     try:

@@ -54,7 +54,7 @@ def read_rows(path: str) -> list[dict]:
 
 def dump(out: str, count: int) -> None:
     import hf_treespark
-    from hf_treespark.bench_suites import suite_prompts
+    from hf_treespark.bench.suites import suite_prompts
 
     target, tokenizer = hf_treespark.load_default_target()
     prompts = {}
@@ -105,7 +105,7 @@ def check(prompts_path: str, results: str) -> int:
     import torch
 
     import hf_treespark
-    from hf_treespark.exactness import check_greedy_equivalence
+    from hf_treespark.core.exactness import check_greedy_equivalence
 
     with open(prompts_path) as f:
         prompts = json.load(f)

@@ -21,9 +21,9 @@ def main() -> None:
 
     import torch
 
-    from hf_treespark import assets
-    from hf_treespark.bench import SUITES, select_prompts
-    from hf_treespark.loading import load_drafter, load_target
+    from hf_treespark.bench.run import SUITES, select_prompts
+    from hf_treespark.hub import assets
+    from hf_treespark.hub.loading import load_drafter, load_target
 
     unknown = [s for s in args.suites.split(",") if s not in SUITES]
     if unknown:

@@ -59,8 +59,8 @@ def timed_generate(model, inputs: dict, max_new_tokens: int, **kwargs) -> tuple[
 
 def measure(dtype_name: str, prompts: list[dict], args) -> dict:
     """One precision's row: the three ways over `prompts` (see the module docstring)."""
-    from hf_treespark.cpu_gemm import model_is_packed
-    from hf_treespark.loading import load_target
+    from hf_treespark.core.cpu_gemm import model_is_packed
+    from hf_treespark.hub.loading import load_target
     from hf_treespark.precision import DTYPES
 
     dtype = DTYPES[dtype_name]
@@ -129,8 +129,8 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from hf_treespark import assets
-    from hf_treespark.bench_suites import suite_inputs
+    from hf_treespark.bench.suites import suite_inputs
+    from hf_treespark.hub import assets
 
     tokenizer = AutoTokenizer.from_pretrained(assets.default_target_path())
     prompts = suite_inputs(tokenizer, "mtbench", args.num_prompts)

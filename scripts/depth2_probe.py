@@ -46,9 +46,9 @@ from torch import nn
 
 import hf_treespark
 from hf_treespark import TreeSparkConfig
-from hf_treespark.engine import target_features
-from hf_treespark.modeling_block import TreeSparkRMSNorm
-from hf_treespark.modeling_heads import Depth2Head
+from hf_treespark.decoding.engine import target_features
+from hf_treespark.drafter.modeling_block import TreeSparkRMSNorm
+from hf_treespark.drafter.modeling_heads import Depth2Head
 from hf_treespark.training.data import collate_references, load_references
 
 SHARED = Path(os.environ.get("SHARED", Path(__file__).resolve().parents[2] / "shared"))

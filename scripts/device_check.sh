@@ -79,7 +79,7 @@ import argparse, contextlib, io, sys
 import pytest
 import torch
 
-from hf_treespark import bench
+from hf_treespark.bench import run as bench
 from hf_treespark.training import cli as train_cli
 
 groups, current = [], []

@@ -33,7 +33,7 @@ def ngram_top1(index_store, ids, anchors):
 def measure(target, drafter, store, heldout_store, refs):
     import torch
 
-    from hf_treespark.engine import target_features
+    from hf_treespark.decoding.engine import target_features
     from hf_treespark.training.data import collate_references
 
     hits, count, ng, ng_ho = torch.zeros(D), 0, 0, 0
@@ -72,8 +72,8 @@ def main() -> int:
     import torch
 
     import hf_treespark
-    from hf_treespark.assets import DEFAULT_DRAFTER_DIR
-    from hf_treespark.datastore import Datastore, sequences_from_references
+    from hf_treespark.hub.assets import DEFAULT_DRAFTER_DIR
+    from hf_treespark.sources.datastore import Datastore, sequences_from_references
     from hf_treespark.training.data import load_references
     from hf_treespark.training.evaluate import DEV_PROMPTS, build_dev_set
 

@@ -16,8 +16,8 @@ import torch
 from script_args import at_least
 
 from hf_treespark import load_default_target
-from hf_treespark.assets import DEFAULT_DRAFTER_DIR
-from hf_treespark.modeling import TreeSparkDrafter
+from hf_treespark.drafter.modeling import TreeSparkDrafter
+from hf_treespark.hub.assets import DEFAULT_DRAFTER_DIR
 from hf_treespark.training.depth1 import Depth1Trainer, PositionShards, block_signature, grow_depth1_head
 from hf_treespark.training.distill_extract import _batched, distil_batch
 from hf_treespark.training.distill_sources import text_sequences

@@ -37,7 +37,7 @@ DEPTH_CAP = 4  # conditional rates are fitted per depth 1..DEPTH_CAP (deeper nod
 
 
 def development_prompts() -> list[tuple[str, str]]:
-    from hf_treespark import assets
+    from hf_treespark.hub import assets
 
     sharegpt = assets.sharegpt_prompts("heldout", limit=400)[200:230]
     humaneval = assets.humaneval_prompts()
@@ -51,7 +51,8 @@ def development_prompts() -> list[tuple[str, str]]:
 def record(args) -> int:
     from tqdm.auto import tqdm
 
-    from hf_treespark import assets, load_default_drafter, load_default_target
+    from hf_treespark import load_default_drafter, load_default_target
+    from hf_treespark.hub import assets
 
     target, tokenizer = load_default_target()
     drafter = load_default_drafter()

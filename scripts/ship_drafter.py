@@ -4,7 +4,7 @@
 
 Stores bf16 weights (the package carries the modeling code, so no remote-code copies and no
 `auto_map`), keeps the drafter's `acceptance_profile` and draft vocabulary, sets `tree_budget="auto"`
-and `tree_lookup`, and writes the model card (`hf_treespark.card.model_card`) with the given acceptance
+and `tree_lookup`, and writes the model card (`hf_treespark.hub.card.model_card`) with the given acceptance
 table and the drafter's `acceptance_profile`.
 """
 
@@ -61,10 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from safetensors import SafetensorError
 
-    from hf_treespark.assets import DEFAULT_DRAFTER_DIR
-    from hf_treespark.datastore import DATASTORE_FILE
-    from hf_treespark.hub import save_drafter
-    from hf_treespark.modeling import TreeSparkDrafter
+    from hf_treespark.drafter.modeling import TreeSparkDrafter
+    from hf_treespark.hub.assets import DEFAULT_DRAFTER_DIR
+    from hf_treespark.hub.sharing import save_drafter
+    from hf_treespark.sources.datastore import DATASTORE_FILE
 
     try:
         drafter = TreeSparkDrafter.from_pretrained(args.drafter, dtype=torch.bfloat16)

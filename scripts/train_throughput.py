@@ -31,8 +31,8 @@ ROWS = [  # (preset, draft vocabulary size or None, replay anchors per sequence 
 def measure(target, references, preset: str, vocab: int | None, replay: int | None, args) -> dict:
     import torch
 
-    from hf_treespark.configuration import TreeSparkConfig
-    from hf_treespark.modeling import TreeSparkDrafter
+    from hf_treespark.drafter.configuration import TreeSparkConfig
+    from hf_treespark.drafter.modeling import TreeSparkDrafter
     from hf_treespark.training.cli import DEFAULT_MASK_TOKEN_ID, set_draft_vocabulary
     from hf_treespark.training.trainer import PRESETS, TrainConfig, Trainer, fill_feature_cache
 
@@ -85,7 +85,7 @@ def main() -> None:
 
     import torch
 
-    from hf_treespark.assets import load_default_target
+    from hf_treespark.hub.assets import load_default_target
     from hf_treespark.precision import dtype_name, resolve_dtype
     from hf_treespark.training.data import check_token_ids, load_references
 

@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 
-from hf_treespark import assets
+from hf_treespark.hub import assets
 
 
 def test_prompt_sets_have_their_real_sizes():
@@ -35,7 +35,7 @@ def test_missing_asset_package_names_the_install_command(monkeypatch):
 def test_the_first_conversion_of_the_default_target_says_so_and_later_loads_do_not(tmp_path, monkeypatch, capsys):
     import transformers
 
-    from hf_treespark.default_target import DEFAULT_TARGET_CACHE_NAME
+    from hf_treespark.hub.default_target import DEFAULT_TARGET_CACHE_NAME
 
     monkeypatch.setenv("HF_TREESPARK_CACHE", str(tmp_path))
 
@@ -76,7 +76,7 @@ class StandIn:  # the conversion's model and tokenizer, without the 20 s of dequ
 
 transformers.AutoModelForCausalLM.from_pretrained = lambda *args, **kwargs: StandIn()
 transformers.AutoTokenizer.from_pretrained = lambda *args, **kwargs: StandIn()
-from hf_treespark import assets
+from hf_treespark.hub import assets
 
 path = assets.default_target_path()
 assert (path / "weights.bin").is_file() and assets.default_target_path() == path
@@ -140,7 +140,7 @@ def load_model(*args, **kwargs):
 
 transformers.AutoModelForCausalLM.from_pretrained = load_model
 transformers.AutoTokenizer.from_pretrained = lambda *args, **kwargs: StandIn(0.0)
-from hf_treespark import assets
+from hf_treespark.hub import assets
 
 (ready / me).touch()
 while len(list(ready.iterdir())) < 2:  # both processes start converting together
@@ -159,7 +159,7 @@ def test_two_first_uses_at_once_convert_once_and_leave_no_temporary_files(tmp_pa
     import subprocess
     import sys
 
-    from hf_treespark.default_target import DEFAULT_TARGET_CACHE_NAME
+    from hf_treespark.hub.default_target import DEFAULT_TARGET_CACHE_NAME
 
     cache, ready, log = tmp_path / "cache", tmp_path / "ready", tmp_path / "conversions.log"
     ready.mkdir()
@@ -200,7 +200,7 @@ def test_a_failed_conversion_leaves_nothing_behind_and_frees_the_lock(tmp_path, 
     converts."""
     from pathlib import Path
 
-    from hf_treespark.default_target import DEFAULT_TARGET_CACHE_NAME
+    from hf_treespark.hub.default_target import DEFAULT_TARGET_CACHE_NAME
 
     monkeypatch.setenv("HF_TREESPARK_CACHE", str(tmp_path))
 
@@ -231,7 +231,7 @@ def test_a_conversion_lock_held_too_long_converts_for_the_process_only(tmp_path,
 
     from filelock import FileLock
 
-    from hf_treespark.default_target import DEFAULT_TARGET_CACHE_NAME
+    from hf_treespark.hub.default_target import DEFAULT_TARGET_CACHE_NAME
 
     monkeypatch.setenv("HF_TREESPARK_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(assets, "CONVERT_LOCK_WAIT_S", 0.5, raising=False)

@@ -8,8 +8,10 @@ import shutil
 import pytest
 import torch
 
-from hf_treespark import assets, bench, cli
-from hf_treespark.modeling import TreeSparkDrafter
+from hf_treespark.bench import run as bench
+from hf_treespark.cli import commands as cli
+from hf_treespark.drafter.modeling import TreeSparkDrafter
+from hf_treespark.hub import assets
 
 pytestmark = pytest.mark.slow
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -198,7 +200,7 @@ def test_both_plots_draw_a_method_in_the_same_colour(tmp_path, monkeypatch):
 def test_batch_rows_are_compared_at_one_width_so_padding_alone_is_no_divergence():
     from conftest import make_target
 
-    from hf_treespark.exactness import check_greedy_equivalence
+    from hf_treespark.core.exactness import check_greedy_equivalence
 
     target = make_target("llama", dtype=torch.bfloat16)
     pad = 0

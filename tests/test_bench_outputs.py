@@ -6,7 +6,9 @@ import importlib
 
 import pytest
 
-from hf_treespark import bench, bench_report, cli
+from hf_treespark.bench import report as bench_report
+from hf_treespark.bench import run as bench
+from hf_treespark.cli import commands as cli
 
 
 @pytest.fixture
@@ -15,7 +17,7 @@ def no_model_loading(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the output directory was checked")
 
-    for name in ("hf_treespark.cli", "hf_treespark.loading"):
+    for name in ("hf_treespark.cli.commands", "hf_treespark.hub.loading"):
         try:
             module = importlib.import_module(name)
         except ImportError:

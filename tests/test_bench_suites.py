@@ -12,9 +12,12 @@ import transformers
 from conftest import make_drafter
 from transformers import AutoTokenizer
 
-from hf_treespark import assets, bench, bench_suites, cli
-from hf_treespark.bench_suites import ALL_SUITES, SUITES, SuitePrompt
-from hf_treespark.datastore import HEADER_TOKENS, Datastore
+from hf_treespark.bench import run as bench
+from hf_treespark.bench import suites as bench_suites
+from hf_treespark.bench.suites import ALL_SUITES, SUITES, SuitePrompt
+from hf_treespark.cli import commands as cli
+from hf_treespark.hub import assets
+from hf_treespark.sources.datastore import HEADER_TOKENS, Datastore
 from hf_treespark.training.evaluate import DEV_PROMPTS
 
 CALIBRATION_PROMPTS = slice(200, 400)  # `treespark calibrate`'s held-out first turns (cli._calibration_prompts)
@@ -210,7 +213,7 @@ def test_unknown_suites_are_refused_with_every_name_and_the_new_ones_are_accepte
     def load_target(*args, **kwargs):
         raise Loaded
 
-    monkeypatch.setattr("hf_treespark.loading.load_target", load_target)
+    monkeypatch.setattr("hf_treespark.hub.loading.load_target", load_target)
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     args = parser.parse_args(["--suites", "copy,multiturn,math", "--output-dir", str(tmp_path / "out")])

@@ -17,8 +17,10 @@ import pytest
 import torch
 from conftest import make_drafter, make_target
 
-from hf_treespark import TreeSparkConfig, TreeSparkDrafter, budget, call_guard, latency
-from hf_treespark.tree import TreePolicy
+from hf_treespark import TreeSparkConfig, TreeSparkDrafter
+from hf_treespark.calibration import latency
+from hf_treespark.core.tree import TreePolicy
+from hf_treespark.decoding import budget, call_guard
 
 
 @pytest.fixture
@@ -485,7 +487,7 @@ def test_the_gate_stays_open_for_a_paying_drafter_without_a_cached_latency(laten
 
 @pytest.fixture
 def no_loading(monkeypatch):
-    from hf_treespark import cli
+    from hf_treespark.cli import commands as cli
 
     monkeypatch.setattr(cli, "_load_pair", lambda args: pytest.fail("models were loaded before the check"))
     return cli
@@ -534,7 +536,7 @@ def test_calibrate_names_a_damaged_config(no_loading, drafter_dir, capsys):
 
 
 def test_calibrate_never_writes_a_profile_that_would_not_load(drafter_dir, monkeypatch, capsys, latency_cache):
-    from hf_treespark import cli
+    from hf_treespark.cli import commands as cli
 
     target = make_target("llama")
     monkeypatch.setattr(cli, "_load_pair", lambda args: (target, None, TreeSparkDrafter.from_pretrained(drafter_dir)))
@@ -549,7 +551,7 @@ def test_calibrate_never_writes_a_profile_that_would_not_load(drafter_dir, monke
 
 
 def test_calibrate_shows_the_latency_table_and_the_budget_it_implies(drafter_dir, monkeypatch, capsys, latency_cache):
-    from hf_treespark import cli
+    from hf_treespark.cli import commands as cli
 
     target = make_target("llama")
     monkeypatch.setattr(cli, "_load_pair", lambda args: (target, None, TreeSparkDrafter.from_pretrained(drafter_dir)))

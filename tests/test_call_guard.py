@@ -6,7 +6,7 @@ import torch
 from conftest import make_drafter, make_target
 from test_generation import RecordingStreamer, prompt
 
-from hf_treespark.call_guard import GUARD_PROBES, GUARD_SKIP, GUARD_WINDOW, CallGuard, resolve_guard
+from hf_treespark.decoding.call_guard import GUARD_PROBES, GUARD_SKIP, GUARD_WINDOW, CallGuard, resolve_guard
 
 
 def test_the_guard_hands_off_only_after_two_slower_judgements_in_a_row():
@@ -172,7 +172,7 @@ def test_a_probe_is_timed_by_its_target_forward_alone(monkeypatch):
     commit 8 s; whole numbers, so every sum is exact): a probe counts 2 s, a judged round 11 s."""
     import time
 
-    from hf_treespark import engine
+    from hf_treespark.decoding import engine
 
     target = make_target("llama")
     drafter = make_drafter(target)

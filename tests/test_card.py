@@ -1,4 +1,4 @@
-"""The model card (`hf_treespark.card`) and what a push uploads: `drafter.push_to_hub()` carries the same card,
+"""The model card (`hf_treespark.hub.card`) and what a push uploads: `drafter.push_to_hub()` carries the same card,
 metadata and files as `treespark push` (`hub.push_drafter_to_hub`). No network: the Hub calls are captured."""
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import torch
 from huggingface_hub import ModelCard
 from test_hub import TARGET_NAME, front_matter, tiny_drafter, tiny_target
 
-from hf_treespark import TreeSparkDrafter, card
-from hf_treespark.datastore import Datastore
-from hf_treespark.hub import push_drafter_to_hub
+from hf_treespark import TreeSparkDrafter
+from hf_treespark.hub import card
+from hf_treespark.hub.sharing import push_drafter_to_hub
+from hf_treespark.sources.datastore import Datastore
 
 
 @pytest.fixture(scope="module")

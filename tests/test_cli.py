@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import hf_treespark
-from hf_treespark import assets, cli
-from hf_treespark.cli import main
+from hf_treespark.cli import commands as cli
+from hf_treespark.cli.commands import main
+from hf_treespark.hub import assets
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -100,7 +101,7 @@ def test_push_uploads_the_drafter_with_its_card_without_network(tmp_path, monkey
     from conftest import make_drafter, make_target
     from huggingface_hub import HfApi
 
-    from hf_treespark.hub import save_drafter
+    from hf_treespark.hub.sharing import save_drafter
 
     drafter_dir = save_drafter(make_drafter(make_target()).to(torch.bfloat16), tmp_path / "final")
     calls = []
@@ -174,7 +175,7 @@ def test_sigint_during_generate_exits_130_without_a_traceback():
 def demo_calls(monkeypatch):
     """Record build_app/launch instead of loading models and serving."""
     pytest.importorskip("gradio")
-    from hf_treespark import demo
+    from hf_treespark.demo import page as demo
 
     calls = {}
 
@@ -232,7 +233,7 @@ def test_demo_honours_gradio_server_name_and_port_unless_flags_are_given(demo_ca
 
 def test_demo_checks_its_address_before_importing_gradio(demo_calls, monkeypatch, capsys):
     """gradio's own import reads GRADIO_SERVER_PORT and fails on a bad one with a traceback: our check runs first."""
-    from hf_treespark import demo
+    from hf_treespark.demo import page as demo
 
     imported = []
     monkeypatch.setattr(demo, "import_gradio", lambda: imported.append(True))
@@ -277,7 +278,7 @@ def test_the_command_lines_dtype_choices_are_the_loaders():
 @pytest.fixture
 def no_models(monkeypatch):
     """Loading a model fails the test: these commands must stop at their options."""
-    from hf_treespark import loading
+    from hf_treespark.hub import loading
 
     def refuse(*args, **kwargs):
         pytest.fail("models loaded")
@@ -317,7 +318,7 @@ def test_empty_or_unbounded_option_values_are_refused_at_parsing(argv, message, 
     (["--batch-size", ""], "argument --batch-size: is empty"),
 ])
 def test_python_m_bench_refuses_empty_lists_too(argv, message, no_models, capsys):
-    from hf_treespark import bench
+    from hf_treespark.bench import run as bench
 
     try:
         code = bench.main(argv)

@@ -1,4 +1,4 @@
-"""Prepacked oneDNN linear layers (`hf_treespark.cpu_gemm`): same outputs, same gradients, exact decoding."""
+"""Prepacked oneDNN linear layers (`hf_treespark.core.cpu_gemm`): same outputs, same gradients, exact decoding."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from conftest import make_drafter, make_target
 
 import hf_treespark
-from hf_treespark.cpu_gemm import is_packed, model_is_packed, pack_linear_layers, packing_available, should_pack
+from hf_treespark.core.cpu_gemm import is_packed, model_is_packed, pack_linear_layers, packing_available, should_pack
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN")
 

@@ -14,9 +14,10 @@ from conftest import VOCAB, make_drafter, make_target
 from test_generation import chi_square_ok, make_oracle, prompt
 from test_lookup import second_token_marginal
 
-from hf_treespark import TreeSparkConfig, TreeSparkDrafter, datastore
-from hf_treespark.datastore import DATASTORE_FILE, MAX_MATCH, Datastore, DatastoreError
-from hf_treespark.generation import resolve_datastore
+from hf_treespark import TreeSparkConfig, TreeSparkDrafter
+from hf_treespark.decoding.generation import resolve_datastore
+from hf_treespark.sources import datastore
+from hf_treespark.sources.datastore import DATASTORE_FILE, MAX_MATCH, Datastore, DatastoreError
 
 
 def random_sequences(seed: int, count: int = 30, length: int = 60, vocab: int = 12) -> list[list[int]]:
@@ -272,7 +273,7 @@ def test_a_growing_datastore_learns_this_processs_outputs_within_its_bound():
 
 
 def test_treespark_datastore_builds_from_reference_files(tmp_path, capsys):
-    from hf_treespark import cli
+    from hf_treespark.cli import commands as cli
 
     data = tmp_path / "refs.jsonl.gz"
     with gzip.open(data, "wt") as f:

@@ -8,8 +8,9 @@ import pytest
 from conftest import VOCAB, make_drafter, make_target
 from transformers import AutoTokenizer
 
-from hf_treespark import assets, cli
-from hf_treespark.datastore import DATASTORE_FILE, HEADER_TOKENS, Datastore, describe_tokenizer
+from hf_treespark.cli import commands as cli
+from hf_treespark.hub import assets
+from hf_treespark.sources.datastore import DATASTORE_FILE, HEADER_TOKENS, Datastore, describe_tokenizer
 
 CHATS = [
     {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."},

@@ -19,10 +19,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hf_treespark import demo_run
-from hf_treespark.cli import main as treespark_main
-from hf_treespark.datastore import MAX_NODES
-from hf_treespark.demo import (
+from hf_treespark.cli.commands import main as treespark_main
+from hf_treespark.decoding.generation import RoundRecord
+from hf_treespark.demo import run as demo_run
+from hf_treespark.demo.page import (
     DATASTORE_COLOUR,
     Band,
     DemoSettings,
@@ -33,8 +33,8 @@ from hf_treespark.demo import (
     render_stats,
     render_tree,
 )
-from hf_treespark.generation import RoundRecord
-from hf_treespark.lookup import LOOKUP_LONG_TOKENS
+from hf_treespark.sources.datastore import MAX_NODES
+from hf_treespark.sources.lookup import LOOKUP_LONG_TOKENS
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "Explain what a binary search does."
@@ -210,7 +210,7 @@ def test_speedup_comes_from_the_unstreamed_runs_not_the_live_one(monkeypatch):
 
 
 def test_package_imports_without_gradio():
-    code = ("import sys, hf_treespark, hf_treespark.demo, hf_treespark.cli; "
+    code = ("import sys, hf_treespark, hf_treespark.demo.page, hf_treespark.cli.commands; "
             "assert 'gradio' not in sys.modules, 'gradio imported eagerly'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
@@ -225,7 +225,7 @@ def test_cli_demo_without_gradio_says_how_to_install(monkeypatch, capsys):
 @pytest.fixture(scope="module")
 def models():
     """The default pair as `treespark demo` loads it (on a CPU: packed linear layers), in float32."""
-    from hf_treespark.loading import load_pair
+    from hf_treespark.hub.loading import load_pair
 
     return load_pair(dtype=torch.float32)
 
@@ -233,7 +233,7 @@ def models():
 @pytest.fixture(scope="module")
 def plain_greedy(models) -> list[int]:
     """The new token ids of plain greedy decoding for PROMPT."""
-    from hf_treespark import assets
+    from hf_treespark.hub import assets
 
     target, tokenizer, _ = models
     inputs = assets.chat_inputs(tokenizer, PROMPT)
@@ -250,7 +250,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def app_url(models):
     pytest.importorskip("gradio", reason="the demo extra is not installed: pip install 'hf_treespark[demo]'")
-    from hf_treespark.demo import build_app, launch
+    from hf_treespark.demo.page import build_app, launch
 
     target, tokenizer, drafter = models
     app = build_app(target, tokenizer, drafter)

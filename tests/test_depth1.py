@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import assert_round_trip_decodes_exactly, make_drafter, make_target
 
-from hf_treespark.engine import target_features
+from hf_treespark.decoding.engine import target_features
 from hf_treespark.training.data import ReferenceSequence
 from hf_treespark.training.depth1 import (
     Depth1Trainer,

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import make_drafter, make_target
 
-from hf_treespark import cli
+from hf_treespark.cli import commands as cli
 from hf_treespark.training import cli as training_cli
 from hf_treespark.training.data import load_references
 
@@ -170,7 +170,7 @@ def test_a_damaged_progress_file_is_named_before_the_target_loads(files, tmp_pat
 # may) leaves SIGINT ignored in its children, and an ignored Ctrl-C is not what this test is about.
 RUNNER = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler);"
           " from hf_treespark.training import depth1; depth1.SHARD_POSITIONS = 20; depth1.SAVE_EVERY = 5;"
-          " from hf_treespark.cli import main; sys.exit(main(sys.argv[1:]))")
+          " from hf_treespark.cli.commands import main; sys.exit(main(sys.argv[1:]))")
 
 
 def test_a_run_killed_or_interrupted_anywhere_resumes_and_loses_nothing(files, tmp_path):

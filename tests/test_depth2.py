@@ -7,9 +7,9 @@ import pytest
 import torch
 from conftest import assert_round_trip_decodes_exactly, make_drafter, make_target
 
-from hf_treespark.engine import drafter_pass, expand_pool, target_features
+from hf_treespark.core.tree import TreePolicy
+from hf_treespark.decoding.engine import drafter_pass, expand_pool, target_features
 from hf_treespark.training.depth1 import grow_head
-from hf_treespark.tree import TreePolicy
 
 
 def context(target, drafter, length: int = 10, seed: int = 0):
@@ -107,7 +107,7 @@ def test_a_bad_depth2_width_is_refused_by_name():
 
 
 def test_a_drafter_with_a_depth2_head_is_not_exported_as_dspark(tmp_path):
-    from hf_treespark.hub import DSparkConversionError, export_dspark_checkpoint
+    from hf_treespark.hub.sharing import DSparkConversionError, export_dspark_checkpoint
 
     target = make_target("llama")
     drafter = grow_head(make_drafter(target), "depth2_head", 8)

@@ -13,7 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hf_treespark import latency, precision
+from hf_treespark import precision
+from hf_treespark.calibration import latency
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = ("exactness-fp32", "exactness-half", "bench", "bench-profile", "train-smoke")

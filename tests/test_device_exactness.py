@@ -1,6 +1,7 @@
 """The core exactness checks on the device `TREESPARK_TEST_DEVICE` names (default: cpu; `device_under_test` in
 conftest.py): greedy TreeSpark output equals plain greedy `generate` strictly in float32, one row and a batch, and
-differs only at a floating-point near-tie of the target's logits in bfloat16 and float16 (`hf_treespark.exactness`).
+differs only at a floating-point near-tie of the target's logits in bfloat16 and float16
+(`hf_treespark.core.exactness`).
 
 `scripts/device_check.sh` runs them on CUDA (`-k fp32`, then `-k "bf16 or fp16"`); the CPU suite runs them as any
 other test. Tiny random models: a GPU kernel rounds differently from a CPU one, and what these tests pin down is that
@@ -15,8 +16,8 @@ from conftest import make_drafter, make_target
 from test_batch import LENGTHS, batch_oracle, eos_forcing_target, padded_batch
 from test_generation import make_oracle, prompt
 
-from hf_treespark import batch
-from hf_treespark.exactness import check_greedy_equivalence
+from hf_treespark.core.exactness import check_greedy_equivalence
+from hf_treespark.decoding import batch
 from hf_treespark.precision import DTYPES
 
 # the drafter's default tree, a chain, a wide tree, and "auto" (the budget this device's latency, or its default, picks)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import make_drafter, make_target
 
-from hf_treespark import assets
+from hf_treespark.hub import assets
 from hf_treespark.training import distill, distill_extract, distill_stream
 from hf_treespark.training.data import ReferenceSequence
 from hf_treespark.training.depth1 import PositionShards, block_signature, extract, grow_depth1_head

@@ -16,8 +16,8 @@ from test_generation import TREE_SHAPES, prompt
 from test_hub import REMOTE_CODE_SCRIPT, V, draft_outputs, tiny_drafter, tiny_target
 
 from hf_treespark import TreeSparkDrafter
-from hf_treespark.draft_vocab import count_token_ids, coverage, rank_token_ids
-from hf_treespark.hub import DSparkConversionError, export_dspark_checkpoint, save_drafter
+from hf_treespark.drafter.draft_vocab import count_token_ids, coverage, rank_token_ids
+from hf_treespark.hub.sharing import DSparkConversionError, export_dspark_checkpoint, save_drafter
 
 DRAFT_IDS = list(range(70, 4, -1))[:48]  # 48 of the 128 ids, most useful first
 
@@ -215,7 +215,7 @@ def test_ranking_reads_what_train_reads_gzip_included_and_names_the_file_of_bad_
 def test_draft_vocab_command_refuses_an_empty_file_and_a_bad_size_before_writing(tmp_path, capsys):
     import gzip
 
-    from hf_treespark.cli import main
+    from hf_treespark.cli.commands import main
 
     target = tiny_target()
     tiny_drafter(target).save_pretrained(tmp_path / "drafter")
@@ -238,7 +238,7 @@ def test_draft_vocab_command_refuses_an_empty_file_and_a_bad_size_before_writing
 def test_draft_vocab_command_restricts_the_shipped_drafter(tmp_path, capsys):
     import gzip
 
-    from hf_treespark.cli import main
+    from hf_treespark.cli.commands import main
 
     data = tmp_path / "refs.jsonl"  # the target's own answers, as the repository keeps them (training_data/)
     kept = Path(__file__).resolve().parents[1] / "training_data" / "sharegpt_turns_smollm2_regen.jsonl.gz"
@@ -257,7 +257,7 @@ def test_ranking_reads_its_records_without_the_training_package():
     `records.py`, and `training.data.json_records` is that same function."""
     import ast
 
-    import hf_treespark.draft_vocab as draft_vocab
+    import hf_treespark.drafter.draft_vocab as draft_vocab
     from hf_treespark import records
     from hf_treespark.training import data
 

@@ -10,10 +10,10 @@ import torch
 from conftest import make_drafter, make_target
 
 import hf_treespark
-from hf_treespark import budget
-from hf_treespark.engine import TreeSparkSession, feature_indices
-from hf_treespark.lookup import LOOKUP_LONG_TOKENS
-from hf_treespark.tree import TreePolicy
+from hf_treespark.core.tree import TreePolicy
+from hf_treespark.decoding import budget
+from hf_treespark.decoding.engine import TreeSparkSession, feature_indices
+from hf_treespark.sources.lookup import LOOKUP_LONG_TOKENS
 
 PACKAGE = Path(hf_treespark.__file__).parent
 
@@ -71,7 +71,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_package_import_graph_has_no_cycles():
     graph = import_graph()
-    assert "hf_treespark.loading" in graph["hf_treespark.cli"], "the graph should see the package's imports"
+    assert "hf_treespark.hub.loading" in graph["hf_treespark.cli.commands"], "the graph should see its imports"
     assert find_cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]  # the checker finds a cycle when there is one
     assert find_cycle(graph) is None, "import cycle: " + " -> ".join(find_cycle(graph) or [])
 
@@ -79,10 +79,10 @@ def test_the_package_import_graph_has_no_cycles():
 def test_decoding_modules_import_nothing_but_torch_transformers_and_each_other():
     """What `generate` runs can ship as remote code: no assets, CLI, benchmark or demo behind it."""
     graph = import_graph()
-    allowed = {"hf_treespark.tree", "hf_treespark.verify", "hf_treespark.engine", "hf_treespark.lookup",
-               "hf_treespark.datastore", "hf_treespark.configuration", "hf_treespark.modeling"}
-    for module in ("hf_treespark.tree", "hf_treespark.verify", "hf_treespark.engine", "hf_treespark.lookup",
-                   "hf_treespark.datastore"):
+    allowed = {f"hf_treespark.{name}" for name in ("core.tree", "core.verify", "decoding.engine", "sources.lookup",
+                                                   "sources.datastore", "drafter.configuration", "drafter.modeling")}
+    for module in (f"hf_treespark.{name}" for name in ("core.tree", "core.verify", "decoding.engine", "sources.lookup",
+                                                       "sources.datastore")):
         assert graph[module] <= allowed, (module, graph[module] - allowed)
 
 
@@ -140,7 +140,7 @@ def test_lookup_only_rounds_skip_the_drafter_and_its_next_pass_sees_every_commit
     for cached, new, position in passes:
         assert cached + new == position
     # and its context equals one built from the committed text's target features at once
-    from hf_treespark.engine import target_features
+    from hf_treespark.decoding.engine import target_features
 
     length = session.context.get_seq_length()
     features, _ = target_features(target, drafter.config.target_layer_ids, seq[:, :length],
@@ -191,7 +191,7 @@ def test_training_init_from_the_shipped_auto_budget_drafter_runs(tmp_path):
 def test_auto_budget_never_measures_inside_generate(tmp_path, monkeypatch):
     """No cached latency: "auto" takes the fallback budget; one target forward per round, nothing written."""
     monkeypatch.setenv("HF_TREESPARK_CACHE", str(tmp_path))
-    monkeypatch.setattr("hf_treespark.latency.measure_round_latency",
+    monkeypatch.setattr("hf_treespark.calibration.latency.measure_round_latency",
                         lambda *a, **k: pytest.fail("generate measured latency"))
     target = make_target("llama")
     drafter = make_drafter(target, tree_budget="auto")
@@ -218,10 +218,10 @@ def test_auto_budget_after_calibration_packs_the_first_pool_once(tmp_path, monke
     steady = {"verify": {n: 0.002 * (1 + n / 16) for n in (0, *budget.CANDIDATE_BUDGETS)},
               "draft": {n: 0.001 for n in budget.CANDIDATE_BUDGETS}, "others_load": 0.0}
     # this machine's load aside
-    monkeypatch.setattr("hf_treespark.latency.measure_round_latency", lambda *a, **k: steady)
+    monkeypatch.setattr("hf_treespark.calibration.latency.measure_round_latency", lambda *a, **k: steady)
     budget.calibrate_latency(target, drafter)
     assert budget.has_latency(target, drafter)
-    from hf_treespark import engine
+    from hf_treespark.decoding import engine
 
     expansions = []
     real = engine.expand_tree
@@ -305,7 +305,7 @@ def test_a_lookup_only_round_accepted_whole_lengthens_the_next_one():
 def test_commit_cache_keeps_the_accepted_entries_whether_they_move_or_are_already_in_place():
     from transformers import DynamicCache
 
-    from hf_treespark.verify import commit_cache
+    from hf_treespark.core.verify import commit_cache
 
     target = make_target("llama")
     for keep in ([0], [0, 1, 2], [0, 2, 5], [0, 1, 4]):

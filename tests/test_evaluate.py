@@ -6,10 +6,10 @@ import pytest
 import torch
 from conftest import make_drafter, make_target
 
+from hf_treespark.core.tree import TreePolicy
 from hf_treespark.training.data import ReferenceSequence
 from hf_treespark.training.evaluate import accepted_depths, reference_acceptance
 from hf_treespark.training.trainer import target_features
-from hf_treespark.tree import TreePolicy
 
 
 def test_per_anchor_acceptance_matches_the_rounds_of_greedy_decoding():

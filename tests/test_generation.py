@@ -11,16 +11,16 @@ from transformers.generation.streamers import BaseStreamer
 
 import hf_treespark
 from hf_treespark import TreeSparkDrafter
-from hf_treespark.exactness import check_greedy_equivalence
-from hf_treespark.generation import TreeSparkCandidateGenerator, resolve_gate
-from hf_treespark.tree import DraftTree, TreePolicy, build_tree
-from hf_treespark.verify import (
+from hf_treespark.core.exactness import check_greedy_equivalence
+from hf_treespark.core.tree import DraftTree, TreePolicy, build_tree
+from hf_treespark.core.verify import (
     commit_cache,
     greedy_accept,
     processed_accept,
     tree_attention_mask,
     tree_position_ids,
 )
+from hf_treespark.decoding.generation import TreeSparkCandidateGenerator, resolve_gate
 
 
 class OracleDrafter(TreeSparkDrafter):
@@ -415,7 +415,7 @@ def test_refusals_are_clear(llama_pair):
     flash = make_target("llama")
     flash.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match="4D tree attention mask"):
-        hf_treespark.generation.check_supported(flash, drafter, ids, flash.generation_config)
+        hf_treespark.decoding.generation.check_supported(flash, drafter, ids, flash.generation_config)
 
 
 def test_unsupported_outputs_and_inputs_embeds_are_refused_by_name(llama_pair):
@@ -493,7 +493,8 @@ def test_tree_gate_refuses_what_is_not_one_number_at_least_zero(gate):
 
 @pytest.mark.slow
 def test_offline_default_target_with_untrained_drafter():
-    from hf_treespark import TreeSparkConfig, assets
+    from hf_treespark import TreeSparkConfig
+    from hf_treespark.hub import assets
 
     target, tokenizer = assets.load_default_target(dtype=torch.float32)
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""Saving, loading, pushing and converting drafters (`hf_treespark.hub`), on a tiny random Qwen3 target."""
+"""Saving, loading, pushing and converting drafters (`hf_treespark.hub.sharing`), on a tiny random Qwen3 target."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from transformers import AutoModel, Qwen3Config, Qwen3ForCausalLM
 
 import hf_treespark  # noqa: F401  (registers the drafter with AutoModel)
 from hf_treespark import TreeSparkConfig, TreeSparkDrafter
-from hf_treespark.hub import (
+from hf_treespark.hub.sharing import (
     DSparkConversionError,
     dspark_config_to_treespark,
     export_dspark_checkpoint,
@@ -315,7 +315,7 @@ def test_model_card_usage_applies_the_chat_template(drafter):
 
 
 def test_the_shipped_drafters_card_is_the_card_writers_with_its_tables():
-    from hf_treespark.assets import DEFAULT_DRAFTER_DIR
+    from hf_treespark.hub.assets import DEFAULT_DRAFTER_DIR
 
     shipped = (DEFAULT_DRAFTER_DIR / "README.md").read_text()
     drafter = TreeSparkDrafter.from_pretrained(DEFAULT_DRAFTER_DIR)
@@ -659,7 +659,7 @@ def test_a_full_disk_while_saving_names_the_directory_the_bytes_needed_and_the_s
     """A full disk used to end in a bare `[Errno 28] No space left on device`."""
     from safetensors.numpy import load_file as load_numpy
 
-    from hf_treespark.datastore import DATASTORE_FILE, Datastore
+    from hf_treespark.sources.datastore import DATASTORE_FILE, Datastore
 
     drafter = tiny_drafter(target)
     needed = sum(t.numel() * t.element_size() for t in drafter.state_dict().values())
@@ -724,7 +724,7 @@ def test_save_keeps_the_dtype_the_weights_were_stored_in(tmp_path, target):
 
 @pytest.mark.slow
 def test_default_drafter_saved_as_float32_in_memory_keeps_its_bfloat16_file(tmp_path):
-    from hf_treespark import assets
+    from hf_treespark.hub import assets
 
     drafter = assets.load_default_drafter()  # float32 in memory
     drafter.save_pretrained(tmp_path)
@@ -789,7 +789,7 @@ def package_free_python(tmp_path_factory) -> str:
 
 def test_remote_code_without_the_package_says_what_to_install_and_custom_generate_decodes(
         tmp_path, drafter, target, package_free_python):
-    from hf_treespark.datastore import Datastore
+    from hf_treespark.sources.datastore import Datastore
 
     plain = target.generate(torch.tensor([[1, 5, 9, 17, 33]]), do_sample=False, max_new_tokens=30)
     drafter.datastore = Datastore.build([plain[0].tolist()], drafter.config.target_vocab_size)  # travels along
@@ -815,13 +815,15 @@ def test_remote_code_without_the_package_says_what_to_install_and_custom_generat
 def test_custom_generate_folder_holds_every_module_it_imports(tmp_path, drafter):
     from transformers.dynamic_module_utils import get_imports, get_relative_import_files
 
-    from hf_treespark.hub import CUSTOM_GENERATE_MODULES
+    from hf_treespark.hub.card import custom_generate_modules
 
     drafter.save_pretrained(tmp_path)
     folder = tmp_path / "custom_generate"
-    assert sorted(p.name for p in folder.iterdir()) == sorted([*CUSTOM_GENERATE_MODULES, "generate.py"])
+    assert sorted(p.name for p in folder.iterdir()) == custom_generate_modules()
     needed = get_relative_import_files(folder / "generate.py")
     assert all(Path(f).is_file() for f in needed), [f for f in needed if not Path(f).is_file()]
+    # the computed set is exactly what transformers follows from generate.py: nothing missing, nothing extra
+    assert sorted({Path(f).name for f in needed} | {"generate.py"}) == custom_generate_modules()
     for source in folder.iterdir():  # what transformers' check_imports asks the environment for
         outside = {name for name in get_imports(source) if name not in sys.stdlib_module_names}
         # tqdm, numpy, safetensors and filelock (through huggingface_hub): dependencies of transformers itself
@@ -839,7 +841,7 @@ def test_custom_generate_recipe_with_the_package_imported_equals_plain_greedy(tm
 
 
 def test_custom_generate_recipe_refuses_to_run_as_the_drafters_own_generate(drafter, target):
-    from hf_treespark.hub_generate import generate
+    from hf_treespark.hub.custom_generate import generate
 
     with pytest.raises(RuntimeError, match="call it from the target"):
         generate(model=drafter, assistant_model=drafter)
@@ -850,7 +852,7 @@ def test_custom_generate_recipe_refuses_to_run_as_the_drafters_own_generate(draf
 def test_plain_assisted_path_without_the_routing_names_the_package(drafter, target, monkeypatch):
     from transformers import GenerationMixin
 
-    from hf_treespark import integration
+    from hf_treespark.decoding import integration
 
     monkeypatch.setattr(GenerationMixin, "generate", integration._ORIGINAL_GENERATE)  # as if never imported
     monkeypatch.setattr(GenerationMixin, "_get_candidate_generator", integration._ORIGINAL_CANDIDATE_GENERATOR)

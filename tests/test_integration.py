@@ -9,7 +9,8 @@ import torch
 from conftest import make_drafter, make_target
 from transformers import GenerationConfig, pipeline
 
-from hf_treespark import assets, integration
+from hf_treespark.decoding import integration
+from hf_treespark.hub import assets
 
 PROMPT = "List the planets of the solar system, one per line."
 

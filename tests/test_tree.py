@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_treespark.tree import TreePolicy, ancestor_matrix, build_tree, expand_tree
+from hf_treespark.core.tree import TreePolicy, ancestor_matrix, build_tree, expand_tree
 
 V = 50
 
@@ -170,7 +170,7 @@ def test_a_small_budget_drafts_fewer_depths_and_packs_the_same_tree(policy, seed
 @given(policy=policies, seed=st.integers(0, 10_000), batch=st.integers(1, 3), slack=st.integers(0, 6),
        coarse=st.booleans())
 def test_early_stop_packs_the_same_tree_as_the_full_pool(policy, seed, batch, slack, coarse):
-    from hf_treespark.tree import expand_tree, pack_tree
+    from hf_treespark.core.tree import expand_tree, pack_tree
 
     logits, markov, roots = random_inputs(seed, batch, policy.depth)
     if coarse:  # integer logits and a zero Markov head: many tied scores, settled by depth then order
@@ -188,7 +188,7 @@ def test_early_stop_packs_the_same_tree_as_the_full_pool(policy, seed, batch, sl
 
 
 def test_early_stop_skips_depths_that_could_not_be_packed():
-    from hf_treespark.tree import expand_tree, pack_tree
+    from hf_treespark.core.tree import expand_tree, pack_tree
 
     policy = TreePolicy(topk=4, frontier=4, budget=4, depth=6)
     logits = torch.full((1, 6, V), -20.0)
@@ -271,7 +271,7 @@ def test_decoding_with_a_shortlist_is_exact_in_fp32(arch):
 
 
 def test_tree_shortlist_must_be_a_non_negative_integer():
-    from hf_treespark.configuration import TreeSparkConfig
+    from hf_treespark.drafter.configuration import TreeSparkConfig
 
     for bad in (-1, 2.5, True):
         with pytest.raises(ValueError, match="tree_shortlist"):

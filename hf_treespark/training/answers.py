@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, StaticCache
 
-from ..verify import cache_kwarg, register_sdpa_variant
+from ..core.verify import cache_kwarg, register_sdpa_variant
 
 RAGGED_SDPA = "treespark_ragged_decode"
 _PLAN = threading.local()  # the decoding step's chunks, read by `ragged_decode_attention` (one per thread)

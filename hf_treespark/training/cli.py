@@ -193,14 +193,14 @@ def load_target_config(name: str):
     """The config of the target `load_target` loads (no weights): for the checks before anything is built."""
     from transformers import AutoConfig
 
-    from .. import assets
+    from ..hub import assets
 
     return AutoConfig.from_pretrained(assets.default_target_path() if name == "default" else name)
 
 
 def load_target(name: str, with_tokenizer: bool, device: str = "cpu"):
     """`(target, tokenizer or None)` on `device`: the offline default target, or a causal LM by name or path (sdpa)."""
-    from .. import assets
+    from ..hub import assets
 
     if name == "default":
         return assets.load_default_target(device=device)
@@ -218,7 +218,7 @@ def build_drafter(args: argparse.Namespace, target):
     """
     import torch
 
-    from ..modeling import TreeSparkDrafter
+    from ..drafter.modeling import TreeSparkDrafter
 
     if args.init_from:
         drafter = TreeSparkDrafter.from_pretrained(args.init_from, dtype=torch.float32)
@@ -237,8 +237,8 @@ def build_drafter(args: argparse.Namespace, target):
 
 def fresh_drafter_config(args: argparse.Namespace, target):
     """The config of a fresh drafter for `target` (a model or its config), shaped by the options and the preset."""
-    from .. import assets
-    from ..configuration import TreeSparkConfig
+    from ..drafter.configuration import TreeSparkConfig
+    from ..hub import assets
 
     mask = args.mask_token_id
     if mask is None and args.target == "default":
@@ -259,7 +259,7 @@ def refuse_other_models(init_from: str) -> None:
     """`ValueError`, in one paragraph, when `init_from` is a local directory whose `config.json` names another
     kind of model than a TreeSpark drafter (a plain causal LM, typically: transformers would load it as a drafter
     with every weight missing)."""
-    from ..configuration import TreeSparkConfig
+    from ..drafter.configuration import TreeSparkConfig
 
     path = Path(init_from) / "config.json"
     try:
@@ -279,7 +279,7 @@ def refuse_other_models(init_from: str) -> None:
 def planned_drafter_config(args: argparse.Namespace, target_config):
     """The config of the drafter that `build_drafter` and `set_draft_vocabulary` will make, read without building
     it (for `--init-from`, its config.json only)."""
-    from ..configuration import TreeSparkConfig
+    from ..drafter.configuration import TreeSparkConfig
 
     if args.init_from:
         refuse_other_models(args.init_from)
@@ -382,7 +382,7 @@ def grow_layers(drafter, num_layers: int) -> None:
     """
     import torch
 
-    from ..modeling import TreeSparkDecoderLayer
+    from ..drafter.modeling import TreeSparkDecoderLayer
 
     config = drafter.config
     reference = next(drafter.parameters())
@@ -402,7 +402,7 @@ def set_draft_vocabulary(drafter, size: int | None, references):
     run rebuilds the same vocabulary."""
     from collections import Counter
 
-    from ..draft_vocab import coverage, rank_token_ids
+    from ..drafter.draft_vocab import coverage, rank_token_ids
 
     if size is None:
         return drafter
@@ -506,7 +506,7 @@ def run(args: argparse.Namespace) -> int:
 
         print(f"learning curve: {plot_learning_curve(out / 'metrics.jsonl', out / 'learning_curve.png')}")
     if accelerator.is_main_process:
-        from ..hub import save_drafter
+        from ..hub.sharing import save_drafter
         from .push import push_trained_drafter
 
         drafter = trainer.unwrapped_drafter()

@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
-from ..assets import sharegpt_first_turns
+from ..hub.assets import sharegpt_first_turns
 from ..records import json_records
 
 logger = logging.getLogger(__name__)
@@ -155,7 +155,7 @@ def sharegpt_later_turn_prompts(limit: int | None = None, min_chars: int = 16, s
     turns do not alternate human / assistant from a human first turn, or that name an unknown speaker, are
     skipped whole (their later turns would answer something other than what the history shows).
     """
-    from .. import assets
+    from ..hub import assets
 
     if split not in ("train", "tail"):
         raise ValueError(f"split must be 'train' or 'tail', got {split!r}")

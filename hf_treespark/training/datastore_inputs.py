@@ -29,7 +29,13 @@ from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..datastore import DATASTORE_FILE, HEADER_TOKENS, describe_tokenizer, tokenizer_identity, tokenizer_mismatch
+from ..sources.datastore import (
+    DATASTORE_FILE,
+    HEADER_TOKENS,
+    describe_tokenizer,
+    tokenizer_identity,
+    tokenizer_mismatch,
+)
 from .data import _chat_to_messages, _int_list, json_records
 
 ID_FIELDS = ("prompt_ids", "response_ids")
@@ -200,7 +206,7 @@ def drafter_target(vocab_size: int | None, config_path: Path) -> DrafterTarget |
     """The drafter a store is built for: the `--output` drafter's `config_path`, else (without `--vocab-size`) the
     shipped drafter's; None for a store of `--vocab-size` alone. Raises `ValueError` naming a config that is not a
     drafter's, unless `--vocab-size` is given (then it is not needed)."""
-    from ..assets import DEFAULT_DRAFTER_DIR
+    from ..hub.assets import DEFAULT_DRAFTER_DIR
 
     if not config_path.is_file():
         if vocab_size is not None:
@@ -231,7 +237,7 @@ def check_tokenizer(identity: dict, drafter: DrafterTarget | None, store=None) -
     other_name = bool(drafter.name and name) and _model_name(drafter.name) != _model_name(name)
     if not (too_big or other_name):
         return
-    from ..assets import DEFAULT_DRAFTER_DIR
+    from ..hub.assets import DEFAULT_DRAFTER_DIR
 
     shipped = drafter.config == DEFAULT_DRAFTER_DIR / "config.json"
     made_for = (f"{drafter.name} ({drafter.vocab_size} ids)" if drafter.name else
@@ -279,7 +285,7 @@ def load_tokenizer(target: str | None):
     """The tokenizer of `--target` (default: the offline default target's)."""
     from transformers import AutoTokenizer
 
-    from .. import assets
+    from ..hub import assets
 
     if not target:
         return AutoTokenizer.from_pretrained(assets.default_target_path())

@@ -36,7 +36,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from ..engine import target_features
+from ..decoding.engine import target_features
 from .data import ReferenceSequence, collate_references
 
 SHARD_POSITIONS = 8192  # positions per shard: a run killed during extraction extracts at most these again
@@ -390,7 +390,7 @@ def grow_head(drafter, head: str, width: int, fresh: bool = False):
     """`grow_depth1_head` for the head `head` (`"depth1_head"` or `"depth2_head"`, the config field and module)."""
     if getattr(drafter, head) is not None and not fresh:
         return drafter
-    from ..configuration import TreeSparkConfig
+    from ..drafter.configuration import TreeSparkConfig
 
     config = TreeSparkConfig.from_dict({**drafter.config.to_dict(), head: width})
     grown = type(drafter)(config).to(device=drafter.fc.weight.device, dtype=drafter.fc.weight.dtype)
@@ -499,8 +499,8 @@ def run(args) -> int:
 
 
 def _run(args) -> int:
-    from ..assets import DEFAULT_DRAFTER_DIR
-    from ..modeling import TreeSparkDrafter
+    from ..drafter.modeling import TreeSparkDrafter
+    from ..hub.assets import DEFAULT_DRAFTER_DIR
     from .cli import load_target, load_target_config
     from .data import load_references
     from .evaluate import build_dev_set
@@ -560,7 +560,7 @@ def _train(args, drafter, positions: dict, dev: dict, references: int, data: dic
 
 def _compare_and_save(target, drafter, dev_refs, trainer: Depth1Trainer, out: Path, stored_dtype: str) -> None:
     """Development acceptance without and with the trained head (to metrics.jsonl), then `OUTPUT_DIR/final`."""
-    from ..tree import TreePolicy
+    from ..core.tree import TreePolicy
     from .evaluate import reference_acceptance
 
     policy = TreePolicy.from_config(drafter.config, budget=8)

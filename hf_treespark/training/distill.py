@@ -179,8 +179,8 @@ def run(args) -> int:
     """`treespark distil`: train a drafter's depth-1 head on positions distilled from `--sources`, streamed or (with
     --max-disk-gb) stored first; save OUTPUT_DIR/final."""
     sources = check_arguments(args)
-    from ..assets import DEFAULT_DRAFTER_DIR
-    from ..modeling import TreeSparkDrafter
+    from ..drafter.modeling import TreeSparkDrafter
+    from ..hub.assets import DEFAULT_DRAFTER_DIR
     from .cli import load_target
     from .data import load_references
     from .evaluate import build_dev_set

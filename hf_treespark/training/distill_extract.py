@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..engine import feature_indices, last_logits_only, select_features, synchronised_clock
+from ..decoding.engine import feature_indices, last_logits_only, select_features, synchronised_clock
 from .depth1 import FIELDS, SHARD_POSITIONS, PositionShards, head_off
 from .distill_sources import TextSequence
 

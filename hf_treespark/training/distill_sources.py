@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import assets
+from ..hub import assets
 from ..records import json_records
 from .data import _alternating_messages, _chat_to_messages, _int_list
 

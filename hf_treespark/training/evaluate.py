@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from ..engine import target_features
-from ..tree import TreePolicy, build_tree
+from ..core.tree import TreePolicy, build_tree
+from ..decoding.engine import target_features
 from .data import ReferenceSequence, collate_references, load_references, regenerate_responses, sharegpt_chat_prompts
 
 DEV_PROMPTS = slice(400, 432)  # held-out ShareGPT prompts that the benchmark and calibration never draw

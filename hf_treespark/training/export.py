@@ -23,7 +23,7 @@ def checkpoint_config(checkpoint: Path):
     """The drafter config of `checkpoint`: its `drafter_config.json`, or for a checkpoint written before that
     file existed, the architecture fields of its `trainer_state.json`. A file that cannot give one raises
     `ValueError` naming it and what is wrong."""
-    from ..configuration import TreeSparkConfig
+    from ..drafter.configuration import TreeSparkConfig
 
     path = checkpoint / "drafter_config.json"
     if path.is_file():
@@ -77,8 +77,8 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path, dtype: str = "
     The acceptance profile is left out (the weights it was measured with are gone): `treespark calibrate`
     measures the new one. Returns the drafter.
     """
-    from ..hub import save_drafter
-    from ..modeling import TreeSparkDrafter, draft_vocab_problem
+    from ..drafter.modeling import TreeSparkDrafter, draft_vocab_problem
+    from ..hub.sharing import save_drafter
     from ..precision import resolve_dtype
 
     checkpoint, output = Path(checkpoint), Path(output)

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from ..engine import target_features
+from ..decoding.engine import target_features
 from .data import collate_references
 
 logger = logging.getLogger(__name__)

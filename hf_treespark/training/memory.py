@@ -22,7 +22,7 @@ PROMPT_BYTES = 150
 def drafter_parameter_count(config) -> int:
     """Parameters of a `TreeSparkDrafter(config)`, counted on the meta device: nothing is allocated, and two
     drafters of 1 and 2 layers give the per-layer count, so 100,000 layers cost no more to count than 2."""
-    from ..modeling import TreeSparkDrafter
+    from ..drafter.modeling import TreeSparkDrafter
 
     def count(num_layers: int) -> int:
         small = copy.deepcopy(config)

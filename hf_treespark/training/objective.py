@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..tree import TreePolicy, build_tree
+from ..core.tree import TreePolicy, build_tree
 from .losses import (
     confidence_loss,
     coverage_loss,
@@ -56,7 +56,7 @@ def replay_losses(drafter, depth_logits: torch.Tensor, roots: torch.Tensor, refe
 
     depth_logits `[N, B, V]` (differentiable), roots `[N]` anchor tokens, reference_probs `[N, B, V]`
     (`q_k`, detached), valid `[N, B]` depths that have a reference token, weights `[B]` (`w_k`).
-    Topology comes from `hf_treespark.tree.build_tree` on the detached logits (the inference code,
+    Topology comes from `hf_treespark.core.tree.build_tree` on the detached logits (the inference code,
     discrete choices detached); the log-probabilities of the chosen candidates are then recomputed
     with gradient, so the Markov head learns on model-selected parent tokens. Both terms are summed
     depth by depth, so no `[N, C, V]` tensor is ever materialised.

@@ -20,7 +20,7 @@ import hashlib
 import re
 from collections.abc import Iterator
 
-from .. import assets
+from ..hub import assets
 from .answers import AnswerConfig, AnswerGenerator
 from .data import Prompt, _alternating_messages, parse_mixture_spec
 

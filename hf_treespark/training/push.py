@@ -55,8 +55,8 @@ def push_trained_drafter(drafter, repo_id: str, final: Path):
     """`hub.push_drafter_to_hub(drafter, repo_id)` for the drafter just saved to `final`; a failed upload raises
     `RuntimeError` in one line naming what failed, `final` (kept) and the command that retries it. No `repo_id`
     (None or empty) raises `push_drafter_to_hub`'s `ValueError` naming it, as it is: there is no upload to retry."""
-    from ..hub import push_drafter_to_hub
-    from ..modeling_io import check_repo_id
+    from ..drafter.modeling_io import check_repo_id
+    from ..hub.sharing import push_drafter_to_hub
 
     check_repo_id(repo_id, "push_drafter_to_hub")
     try:

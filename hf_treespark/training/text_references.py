@@ -23,8 +23,8 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from ..datastore import HEADER_TOKENS
 from ..records import json_records
+from ..sources.datastore import HEADER_TOKENS
 from .data import ReferenceSequence, _int_list
 from .datastore_inputs import ID_FIELDS, chat_turn_pairs
 

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..engine import target_features
+from ..core.tree import TreePolicy
+from ..decoding.engine import target_features
 from ..precision import auto_dtype
-from ..tree import TreePolicy
 from .checkpoints import TrainerCheckpoints, _jsonable, publish_state
 from .data import check_token_ids, collate_references
 from .feature_cache import FeatureCache, FeatureCacheMismatch, cache_signature, fill_feature_cache

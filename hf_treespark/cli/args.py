@@ -1,0 +1,173 @@
+"""The options of each `treespark` subcommand, one function each, and the argparse types they share.
+
+Nothing here imports torch: the options of bench, train, train-depth1, distil and export come from their own
+modules (which do), imported inside their functions, and `treespark` adds a subcommand's options only when that
+subcommand is the one run (or asked for `--help`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from ..help_format import CPU_PACK_CHOICES, CPU_PACK_HELP, DTYPE_CHOICES, batch_sizes
+
+TARGET_HELP = "target model name or path (default: offline SmolLM2-135M-Instruct)"
+DTYPE_HELP = "auto: bf16 where the device computes it natively, else fp32"
+
+
+# ----- argparse types ------------------------------------------------------------------------------------------
+
+
+def positive_int(text: str) -> int:
+    """argparse type of counts: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return value
+
+
+def temperature(text: str) -> float:
+    """argparse type of `--temperature`: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (0 = greedy), got {text!r}")
+    return value
+
+
+def is_utf8(text: str) -> bool:
+    """False for a command-line argument that held bytes that are not UTF-8 (Python keeps them as lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+# ----- one function per subcommand -----------------------------------------------------------------------------
+
+
+def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompt", required=True, help="user message (the chat template is applied)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--target", help=TARGET_HELP)
+    parser.add_argument("--drafter", help="drafter name or path (default: the shipped drafter)")
+    parser.add_argument("--budget", type=int, help="tree budget N (non-root nodes verified per round)")
+    parser.add_argument("--topk", type=int, help="children per frontier parent")
+    parser.add_argument("--chain", action="store_true", help="chain mode (plain DSpark drafting)")
+    parser.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
+    parser.add_argument("--cpu-pack", choices=CPU_PACK_CHOICES, default="auto", help=CPU_PACK_HELP)
+    parser.add_argument("--compare", action="store_true",
+                        help="also run plain decoding: speedup and exactness check")
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..bench.run import add_arguments
+
+    add_arguments(parser)
+
+
+def add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--drafter", help="drafter directory; its config.json gets acceptance_profile (default: the "
+                                          "shipped drafter, latency only)")
+    parser.add_argument("--target", help=TARGET_HELP)
+    parser.add_argument("--suite", default="sharegpt", choices=("mtbench", "humaneval", "sharegpt"),
+                        help="prompt suite (sharegpt: held-out first turns; the bench's copy, multiturn and math "
+                             "suites are never calibrated on)")
+    parser.add_argument("--num-prompts", type=positive_int, default=8)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=96)
+    parser.add_argument("--budgets", default="2,4,8,16,32,64")
+    parser.add_argument("--force", action="store_true",
+                        help="measure this machine's round latency again (on a quiet machine), replacing the "
+                             "cached one")
+    parser.add_argument("--batch-sizes", metavar="B[,B...]", type=batch_sizes,
+                        help="also measure rounds of these batch sizes (1-256), for 'auto' in batched generate "
+                             "(e.g. 2,4,8,16), and (with --drafter) the acceptance per row in batches of the smallest")
+    parser.add_argument("--latency-only", action="store_true",
+                        help="only the round latency; leave the drafter's acceptance_profile as it is")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
+    parser.add_argument("--cpu-pack", choices=CPU_PACK_CHOICES, default="auto", help=CPU_PACK_HELP)
+
+
+def add_draft_vocab_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data", nargs="+", required=True,
+                        help="JSONL files of the target's outputs: token ids (response_ids, ...) or text (response, "
+                             "...)")
+    parser.add_argument("--size", type=int, default=16384, help="tokens in the draft vocabulary")
+    parser.add_argument("--drafter", help="drafter directory (default: the shipped drafter)")
+    parser.add_argument("--target", help="the target's name or path, for its tokenizer (default: the offline default)")
+    parser.add_argument("--output", required=True, help="new directory for the restricted drafter")
+
+
+def add_datastore_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data", nargs="+", required=True,
+                        help="the target's outputs: .txt plain text; .jsonl or .jsonl.gz records with prompt_ids and "
+                             "response_ids (what `treespark train --data` reads), or chats (messages or "
+                             "conversations: their assistant turns are indexed)")
+    parser.add_argument("--output", required=True,
+                        help="drafter directory to add datastore.safetensors to (or a new directory for it alone)")
+    parser.add_argument("--target", help="the target's name or path, for its tokenizer and chat template (text and "
+                                         "chats; default: the offline default target)")
+    parser.add_argument("--vocab-size", type=positive_int,
+                        help="the target's vocabulary size (default: the --output drafter's target_vocab_size, else "
+                             "the offline default target's)")
+    again = parser.add_mutually_exclusive_group()
+    again.add_argument("--append", action="store_true", help="add to the datastore --output holds")
+    again.add_argument("--force", action="store_true", help="replace the datastore --output holds")
+
+
+def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", help=TARGET_HELP)
+    parser.add_argument("--drafter", help="drafter name or path (default: the shipped drafter)")
+    parser.add_argument("--host", help="address to serve on (default: $GRADIO_SERVER_NAME or 127.0.0.1; "
+                                       "0.0.0.0: the whole network)")
+    parser.add_argument("--port", type=int, help="port to serve on (default: $GRADIO_SERVER_PORT or 7860)")
+    parser.add_argument("--share", action="store_true", help="also open a public gradio.live link (off by default)")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..training.cli import add_arguments
+
+    add_arguments(parser)
+
+
+def add_train_depth1_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..training.depth1 import add_arguments
+
+    add_arguments(parser)
+
+
+def add_distil_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..training.distill import add_arguments
+
+    add_arguments(parser)
+
+
+def add_answers_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..training.answers_cli import add_arguments
+
+    add_arguments(parser)
+
+
+def add_export_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..training.export import EXPORT_DTYPES
+
+    parser.add_argument("checkpoint", help="a checkpoint of a training run, OUTPUT_DIR/checkpoints/step-N")
+    parser.add_argument("--output", required=True, help="new directory for the drafter")
+    parser.add_argument("--dtype", choices=EXPORT_DTYPES, default="bfloat16",
+                        help="precision of the saved weights (the shipped drafter is bfloat16)")
+
+
+def add_push_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--drafter", required=True, help="drafter directory, e.g. OUTPUT_DIR/final of a training run")
+    parser.add_argument("--repo-id", required=True, help="Hub repository to create or update, ORG/NAME")
+    parser.add_argument("--private", action="store_true", help="create the repository as private")
+    parser.add_argument("--token", help="Hub token (default: the one `hf auth login` stored, or $HF_TOKEN)")

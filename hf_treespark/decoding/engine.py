@@ -1,0 +1,432 @@
+"""The round engine: one decoding session of a target with a TreeSpark drafter, phase by phase.
+
+A round (SPEC sections 2-3), for the last committed token `x0` (not yet in the target's cache):
+
+    draft    one drafter pass over `[x0, MASK * (B - 1)]`, conditioned on the target features of
+             the positions committed since the last round; the tree policy expands a candidate
+             pool and packs the `N` best nodes (`tree.expand_tree`, `tree.pack_tree`)
+    verify   ONE target forward over `[x0] + packed nodes`, positions `past_len + depth`, with a
+             4D mask that lets each node see the committed prefix and its own path
+    accept   the walk keeps the longest path the target agrees with, plus the target's bonus token
+    commit   the target cache keeps the root and accepted entries; their features extend the
+             drafter's context; the bonus is the next round's `x0`
+
+With lookup on (`policy.lookup`), a round whose text suffix recurs strongly is lookup-only: it
+verifies the looked-up continuations without a drafter pass (`lookup.is_lookup_round`), and the
+features it commits join the next drafter pass's context. While the drafter's recent rounds got fewer
+drafted tokens accepted than a drafter round costs (`lookup.DrafterGate`), the other rounds skip it
+too and verify a short lookup branch, or the root alone.
+
+`TreeSparkSession` owns the target cache, the drafter's context and the policy. `generate()`'s loop
+(`generation.py`) drives it; `draft_pool` is the draft step for everything else that drafts
+(the candidate generator, the latency measurement). This module imports only torch, transformers
+and the tree/verification modules, so it can ship as remote code.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, LogitsProcessorList
+
+from ..core.tree import Candidates, DraftTree, TreePolicy, expand_tree, pack_tree
+from ..core.verify import (
+    Acceptance,
+    cache_kwarg,
+    commit_cache,
+    greedy_accept,
+    grouped_attention,
+    processed_accept,
+    tree_attention_mask,
+    tree_position_ids,
+)
+from ..drafter.modeling import TreeSparkDrafterOutput
+from ..sources.datastore import MAX_MATCH
+from ..sources.lookup import (
+    LOOKUP_LONG_TOKENS,
+    DrafterGate,
+    add_lookup_branches,
+    find_lookup_branches,
+    graft_nodes,
+    is_lookup_round,
+    lookup_pool,
+    max_extra_budget,
+)
+
+
+def feature_indices(target_layer_ids: list[int]) -> list[int]:
+    """Indices into HF's `hidden_states` of the drafter's target layers (`config.target_layer_ids`):
+    layer `l` is `hidden_states[l + 1]`, since index 0 holds the embeddings."""
+    return [layer + 1 for layer in target_layer_ids]
+
+
+def select_features(hidden_states: tuple[torch.Tensor, ...], indices: list[int]) -> torch.Tensor:
+    """The drafter's conditioning: `[b, s, n_layers * d_target]`, the chosen layers concatenated."""
+    return torch.cat([hidden_states[i] for i in indices], dim=-1)
+
+
+def last_logits_only(target) -> dict:
+    """`{"logits_to_keep": 1}` where the target's forward takes it, else `{}`: a prompt's logits are needed at its
+    last position only (as plain `generate` computes them), and the LM head over every position of a prompt costs
+    a quarter of a small target's forward."""
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(target.forward).parameters else {}
+
+
+@torch.no_grad()
+def target_features(target, layer_ids: list[int], input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """One frozen-target forward: `([b, T, n_layers * d], [b, T, d])` = selected layers, final normed state.
+
+    Logits are computed for the last position only where the target supports `logits_to_keep` (the
+    LM head over every position is a quarter of a small target's forward, and none of it is used).
+    """
+    out = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False,
+                 **last_logits_only(target))
+    return select_features(out.hidden_states, feature_indices(layer_ids)), out.hidden_states[-1]
+
+
+@torch.no_grad()
+def drafter_pass(drafter, policy: TreePolicy, anchor: torch.Tensor, position: int,
+                 new_features: torch.Tensor | None, context_cache) -> TreeSparkDrafterOutput:
+    """One drafter pass for anchor `x0` (`[b]`) at `position`: its output, with depth logits `[b, D', |S|]`
+    (float32) and, for a drafter with a depth-2 head, what the head reads besides the parent.
+
+    `new_features` `[b, s, n_layers * d_target]`: target features of the positions committed since the
+    last pass; they are appended to `context_cache` (the drafter's projected context). `U_k` is computed
+    only for the `D'` depths the policy expands (a budget `N < B` never reaches below depth `N`).
+    """
+    return drafter(anchor_ids=anchor[:, None], anchor_positions=torch.full_like(anchor[:, None], position),
+                   target_features=new_features, context_cache=context_cache, logit_slots=policy.expanded_depth)
+
+
+def draft_pool(drafter, policy: TreePolicy, anchor: torch.Tensor, position: int,
+               new_features: torch.Tensor | None, context_cache, stop_budget: int | None = None) -> Candidates:
+    """The draft step: `drafter_pass`, then the tree policy's candidate pool (`tree.expand_tree`;
+    `stop_budget`: its early stop)."""
+    drafted = drafter_pass(drafter, policy, anchor, position, new_features, context_cache)
+    return expand_pool(drafter, drafted, anchor, policy, stop_budget)
+
+
+def expand_pool(drafter, drafted: TreeSparkDrafterOutput, anchor: torch.Tensor, policy: TreePolicy,
+                stop_budget: int | None = None) -> Candidates:
+    """`tree.expand_tree` of one pass's output with `drafter`'s Markov head, draft vocabulary, shortlist rows and
+    depth-2 head: the candidate pool every decoding path packs."""
+    parent_logits = None
+    if drafted.depth2_inputs is not None:
+        inputs = drafted.depth2_inputs
+        parent_logits = lambda d, parents, rows: drafter.depth2_logits(inputs, parents, rows) if d == 2 else None  # noqa: E731
+    return expand_tree(drafted.depth_logits, drafter.markov_bias, anchor, policy, drafter.draft_vocab_ids, stop_budget,
+                       drafter.markov_bias_rows, parent_logits)
+
+
+def drafted_rows(drafted: TreeSparkDrafterOutput, rows) -> TreeSparkDrafterOutput:
+    """A pass's output for some batch rows only (`rows`: an index into its first dimension)."""
+    inputs = drafted.depth2_inputs
+    return TreeSparkDrafterOutput(depth_logits=drafted.depth_logits[rows],
+                                  depth2_inputs=None if inputs is None else tuple(t[rows] for t in inputs))
+
+
+def _max_depth(pool: Candidates, depth: int) -> int:
+    """The deepest level a packed tree of `pool` can reach: the policy's `depth`, or deeper grafted branches."""
+    return max(depth, int(pool.depths.max())) if pool.depths.numel() else depth
+
+
+class PhaseTimer:
+    """Wall time of each round phase, summed over rounds (`seconds[phase]`), for profiling a decoding call.
+
+    Phases: `draft` (drafter pass), `tree` (expand and pack), `datastore` (its lookup), `verify` (the target
+    forward), `walk` (acceptance), `commit` (cache and drafter context); `round` is the whole round as the loop sees it,
+    so `round - sum(phases)` is everything else. CUDA is synchronised around each phase.
+    """
+
+    PHASES = ("draft", "tree", "datastore", "verify", "walk", "commit")
+
+    def __init__(self):
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.rounds = 0
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        yield
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.seconds[phase] += time.perf_counter() - start
+        self.rounds += phase == "round"
+
+
+# What a round verified: a drafter pass's tree (with any lookup and datastore branches), a lookup-only branch, a
+# round the drafter gate closed (a short branch or the root), the per-call guard's probe (the root alone), or a plain
+# step of transformers' loop after a hand-off.
+ROUND_KINDS = ("drafter", "lookup", "gated", "probe", "plain")
+
+
+def synchronised_clock(device: torch.device) -> float:
+    """`time.perf_counter()` once the device's queued work is done (a CUDA forward returns before it has run)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+@dataclass
+class Round:
+    """One verified round: the packed tree, the walk's result, and how many nodes it accepted."""
+
+    tree: DraftTree
+    acceptance: Acceptance
+    num_accepted: int
+    verify_seconds: float | None = None  # the target forward alone (a probe's; every round's on a CPU)
+    kind: str = "drafter"  # one of `ROUND_KINDS`: what proposed this round's tree
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """`[1, num_accepted + 1]`: accepted tokens, then the bonus."""
+        return self.acceptance.tokens[:, : self.num_accepted + 1]
+
+    def lookup_accepted(self, count: int | None = None) -> int:
+        """How many of the first `count` accepted nodes (default: all) only a lookup branch proposed."""
+        return self._accepted_from(self.tree.lookup, count)
+
+    def datastore_accepted(self, count: int | None = None) -> int:
+        """How many of the first `count` accepted nodes (default: all) only the datastore proposed."""
+        return self._accepted_from(self.tree.retrieved, count)
+
+    def _accepted_from(self, flags: torch.Tensor | None, count: int | None) -> int:
+        if flags is None:
+            return 0
+        path = self.acceptance.path[0, 1: 1 + (self.num_accepted if count is None else count)]
+        return int(flags[0, path].sum())
+
+
+@dataclass
+class RoundPlan:
+    """What a round verifies, before the drafter pass: the text's lookup branches and datastore branches, and
+    either the packed tree already (a lookup-only or gated round: `tree`; no drafter pass) or None (the
+    drafter's pool is still to come: `RowPlanner.pack`)."""
+
+    x0: torch.Tensor  # [1]
+    branches: list
+    retrieved: list
+    tree: DraftTree | None = None
+
+
+class RowPlanner:
+    """The per-sequence part of a round's tree: lookup branches, lookup-only rounds, the drafter gate, datastore
+    branches, and packing the drafter's pool with them (`TreeSparkSession.draft` for one sequence; the batched
+    session keeps one per row, `batch.py`).
+
+    `max_nodes`: at most this many nodes per tree, lookup and datastore nodes included (None: the budget plus
+    their allowance, as at batch size 1; 0: the root alone, a plain step).
+    """
+
+    def __init__(self, policy: TreePolicy, gate: float = 0.0, datastore=None, timer: PhaseTimer | None = None,
+                 max_nodes: int | None = None):
+        self.policy = policy
+        self.gate = DrafterGate(gate) if policy.lookup else None
+        self.datastore = datastore
+        self.timer = timer
+        self.max_nodes = max_nodes
+        self.ran_drafter = False  # whether the current round ran the drafter
+        self.lookup_only = False  # whether the current round is lookup-only
+        self.long_lookup = False  # the last lookup-only round accepted its whole branch
+
+    def _phase(self, name: str):
+        return self.timer(name) if self.timer is not None else nullcontext()
+
+    def _pack(self, pool: Candidates, x0: torch.Tensor, budget: int) -> DraftTree:
+        if self.max_nodes is not None:
+            budget = min(budget, self.max_nodes)
+        return pack_tree(pool, x0, budget, _max_depth(pool, self.policy.depth))
+
+    def plan(self, history: torch.Tensor, probe: bool = False) -> RoundPlan:
+        """This round's plan for the unpadded text `history` (1-D, its last token the anchor `x0`); a `probe`
+        verifies the root alone (a plain step, for the per-call guard: `call_guard.py`).
+
+        With `policy.lookup`, continuations of the text's suffix found earlier in it are grafted into the
+        candidate pool before packing (`lookup.py`). A round whose suffix matches strongly
+        (`lookup.is_lookup_round`) verifies only its lookup branches and skips the drafter pass. So does a round
+        the drafter gate closes (`lookup.DrafterGate`): it verifies a short branch of its best match, if any.
+        With a datastore, every other round also grafts the continuations of the text's suffix in the target's
+        earlier outputs (`datastore.py`); each retrieved node adds one to the round's budget.
+        """
+        x0 = history[-1:]
+        self.ran_drafter = False
+        if probe or self.max_nodes == 0:
+            self.lookup_only = False
+            return RoundPlan(x0, [], [], self._pack(lookup_pool(x0, [], self.policy.lookup), x0, 0))
+        with self._phase("tree"):
+            length = self.policy.lookup
+            branches = find_lookup_branches(history, LOOKUP_LONG_TOKENS if self.long_lookup else length)
+            self.lookup_only = is_lookup_round(branches)
+            if self.lookup_only:
+                pool = lookup_pool(x0, branches)
+                return RoundPlan(x0, branches, [], self._pack(pool, x0, pool.tokens.shape[1]))
+            branches = [(tokens[:length], n) for tokens, n in branches]
+        with self._phase("datastore"):
+            retrieved = [] if self.datastore is None else self.datastore.branches(history[-MAX_MATCH:].tolist())
+        if self.gate is not None and not self.gate.is_open:
+            with self._phase("tree"):
+                self.gate.skipped()
+                pool = graft_nodes(lookup_pool(x0, branches, self.policy.lookup), retrieved, "retrieved")
+                return RoundPlan(x0, branches, retrieved, self._pack(pool, x0, pool.tokens.shape[1]))
+        self.ran_drafter = True
+        return RoundPlan(x0, branches, retrieved)
+
+    def round_kind(self, probe: bool = False) -> str:
+        """The kind (`ROUND_KINDS`) of the round this planner last planned."""
+        if probe:
+            return "probe"
+        return "lookup" if self.lookup_only else "drafter" if self.ran_drafter else "gated"
+
+    def stop_budget(self, plan: RoundPlan) -> int | None:
+        """The early stop of this round's expansion (`tree.expand_tree`): the most nodes it can pack."""
+        if self.policy.auto:  # the first round of an "auto" budget chooses it from the whole pool: no early stop
+            return None
+        return self.policy.budget + max_extra_budget(plan.branches, self.policy.lookup) + len(plan.retrieved)
+
+    def pack(self, plan: RoundPlan, pool: Candidates) -> DraftTree:
+        """The drafter's candidate `pool` (batch size 1) with the plan's lookup and datastore branches, packed."""
+        pool, extra = add_lookup_branches(pool, plan.branches, self.policy.lookup)
+        pool = graft_nodes(pool, plan.retrieved, "retrieved")
+        extra += 0 if pool.retrieved is None else int(pool.retrieved[0].sum())
+        return self._pack(pool, plan.x0, self.policy.budget + extra)
+
+    def after_round(self, tree: DraftTree, rnd: Round) -> None:
+        """Update the lookup state and the drafter gate with the round's result."""
+        if self.lookup_only:
+            self.long_lookup = rnd.num_accepted == tree.num_nodes >= self.policy.lookup
+        if self.ran_drafter and self.gate is not None:
+            self.gate.drafted(rnd.num_accepted - rnd.lookup_accepted() - rnd.datastore_accepted())
+
+
+class TreeSparkSession:
+    """Decoding state of one sequence (batch size 1): target KV cache, drafter context, policy.
+
+    Usage: `first_logits = session.prefill(prompt_ids)`, pick the first token, then repeatedly
+    `rnd = session.step(ids)` with `ids` every token so far (its last is `x0`) and append `rnd.tokens`.
+
+    Args:
+        target: the causal LM (eager or sdpa attention).
+        drafter: a `TreeSparkDrafter` built for it (bound here).
+        policy: the tree policy; with `policy.auto`, `choose_budget(pool_scores)` fixes the budget
+            on the first round from the candidate pool's scores (`[C]`, root excluded).
+        logits_processor / do_sample: how the target picks tokens; greedy without processors takes
+            the vectorised walk, anything else the per-node walk of `verify.processed_accept`.
+        keep_scores: keep the processed scores and raw logits of every committed token.
+        gate: with lookup on, the drafter gate's threshold (`lookup.DrafterGate`; `budget.gate_threshold`
+            gives this device's); 0 runs the drafter in every round that is not lookup-only.
+        datastore: a `datastore.Datastore` whose branches join every round that is not lookup-only, or None.
+    """
+
+    def __init__(self, target, drafter, policy: TreePolicy, *, logits_processor: LogitsProcessorList | None = None,
+                 do_sample: bool = False, keep_scores: bool = False, cache: DynamicCache | None = None,
+                 choose_budget: Callable[[torch.Tensor], int] | None = None, timer: PhaseTimer | None = None,
+                 gate: float = 0.0, datastore=None):
+        self.target = target
+        self.drafter = drafter.bind_target(target)
+        self.choose_budget = choose_budget
+        self.processors = logits_processor if logits_processor is not None else LogitsProcessorList()
+        self.do_sample = do_sample
+        self.keep_scores = keep_scores
+        self.walk_processed = do_sample or len(self.processors) > 0 or keep_scores
+        self.cache = cache if cache is not None else DynamicCache(config=target.config)
+        self.cache_kw = cache_kwarg(target)
+        self.hidden_ids = feature_indices(drafter.config.target_layer_ids)
+        self.context = drafter.new_context_cache()
+        self.pending: torch.Tensor | None = None  # target features not yet in the drafter's context
+        self.past_len = 0  # entries in the target cache
+        self.timer = timer
+        self.planner = RowPlanner(policy, gate, datastore, timer)
+
+    @property
+    def policy(self) -> TreePolicy:
+        return self.planner.policy
+
+    def _phase(self, name: str):
+        return self.timer(name) if self.timer is not None else nullcontext()
+
+    def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Run the prompt `[1, T]` through the target; returns the last position's logits `[1, V]`."""
+        with grouped_attention(self.target):
+            out = self.target(input_ids=input_ids, use_cache=True, output_hidden_states=self.hidden_ids,
+                              **{self.cache_kw: self.cache}, **last_logits_only(self.target))
+        self.pending = select_features(out.hidden_states, self.hidden_ids)
+        self.past_len = input_ids.shape[1]
+        return out.logits[:, -1]
+
+    def draft(self, ids: torch.Tensor, probe: bool = False) -> DraftTree:
+        """Draft and pack this round's tree for the sequence `ids` (`[1, T]`; its last token is the anchor `x0`):
+        the planner's lookup-only or gated tree (`RowPlanner.plan`), or a drafter pass whose pool it packs with
+        the round's lookup and datastore branches. The features a round without a drafter pass commits wait in
+        `pending` for the next one."""
+        plan = self.planner.plan(ids[0, ids.shape[1] - 1 - self.past_len:], probe)  # the unpadded text, x0 last
+        if plan.tree is not None:
+            return plan.tree
+        with self._phase("draft"):
+            drafted = drafter_pass(self.drafter, self.policy, plan.x0, self.past_len, self.pending, self.context)
+        self.pending = None
+        with self._phase("tree"):
+            pool = expand_pool(self.drafter, drafted, plan.x0, self.policy, self.planner.stop_budget(plan))
+            if self.policy.auto:  # chosen on the drafter's own pool: the budget is the drafter's
+                if self.choose_budget is None:
+                    raise ValueError("an 'auto' tree budget needs choose_budget (see hf_treespark.decoding.budget)")
+                self.planner.policy = self.policy.with_budget(self.choose_budget(pool.scores[0]))
+            return self.planner.pack(plan, pool)
+
+    def verify(self, tree: DraftTree):
+        """ONE target forward over the packed tree; the output has logits `[1, N + 1, V]`."""
+        with grouped_attention(self.target):
+            return self.target(
+                input_ids=tree.tokens,
+                position_ids=tree_position_ids(tree, self.past_len),
+                attention_mask=tree_attention_mask(tree, self.past_len, self.target.dtype),
+                use_cache=True,
+                output_hidden_states=self.hidden_ids,
+                **{self.cache_kw: self.cache},
+            )
+
+    def accept(self, tree: DraftTree, logits: torch.Tensor, ids: torch.Tensor) -> Acceptance:
+        """The acceptance walk; `ids` (all tokens so far) is the prefix logits processors see."""
+        if self.walk_processed:
+            return processed_accept(tree, logits, ids, self.processors, self.do_sample, keep_scores=self.keep_scores)
+        return greedy_accept(tree, logits)
+
+    def commit(self, verified, acceptance: Acceptance, num_accepted: int) -> None:
+        """Keep the root's and the accepted nodes' cache entries; queue their features for the drafter.
+
+        Their features are exact: each node attended only to the committed prefix and its ancestors.
+        """
+        keep = acceptance.path[:, : num_accepted + 1]
+        commit_cache(self.cache, self.past_len, keep)
+        features = select_features(verified.hidden_states, self.hidden_ids)
+        features = features.gather(1, keep[:, :, None].expand(-1, -1, features.shape[-1]))
+        # after a lookup-only round the drafter has not yet seen the previous round's features
+        self.pending = features if self.pending is None else torch.cat([self.pending, features], dim=1)
+        self.past_len += num_accepted + 1
+
+    @torch.no_grad()
+    def step(self, ids: torch.Tensor, probe: bool = False) -> Round:
+        """One round for the sequence `ids` (`[1, T]`, last token `x0`): draft, verify, accept, commit. A `probe`
+        verifies the root alone, a plain step. A probe's target forward is timed (`Round.verify_seconds`), and every
+        round's on a CPU, where the clock needs no synchronisation."""
+        tree = self.draft(ids, probe)
+        timed = probe or tree.tokens.device.type == "cpu"
+        with self._phase("verify"):
+            began = synchronised_clock(tree.tokens.device) if timed else 0.0
+            verified = self.verify(tree)
+            seconds = synchronised_clock(tree.tokens.device) - began if timed else None
+        with self._phase("walk"):
+            acceptance = self.accept(tree, verified.logits, ids)
+            num_accepted = int(acceptance.num_accepted[0])
+        with self._phase("commit"):
+            self.commit(verified, acceptance, num_accepted)
+        rnd = Round(tree, acceptance, num_accepted, seconds, self.planner.round_kind(probe))
+        self.planner.after_round(tree, rnd)
+        return rnd
