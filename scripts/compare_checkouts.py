@@ -66,38 +66,53 @@ def dump(out: str, count: int) -> None:
         json.dump(prompts, f)
 
 
-def run(prompts_path: str, suite: str, label: str, out: str, max_new_tokens: int) -> None:
+def run(prompts_path: str, suite: str, label: str, out: str, max_new_tokens: int, batch_size: int = 1) -> None:
     import torch
 
     import hf_treespark
 
     with open(prompts_path) as f:
         prompts = json.load(f)[suite]
-    target, _ = hf_treespark.load_default_target()
+    target, tokenizer = hf_treespark.load_default_target()
     drafter = hf_treespark.load_default_drafter()
     print(f"{label}: {hf_treespark.__file__}", flush=True)
+    eos = target.generation_config.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if isinstance(eos, list) else eos)
+    ends = set(eos if isinstance(eos, list) else [eos]) | {pad}
 
-    def generate(ids, speculative: bool, new_tokens: int = max_new_tokens):
+    def trimmed(row: list[int]) -> list[int]:  # a batch row's tokens up to its end (the rest is padding)
+        return next((row[:j + 1] for j, token in enumerate(row) if token in ends), row)
+
+    def generate(rows, speculative: bool, new_tokens: int = max_new_tokens):
+        """`(each row's new tokens, seconds)` for prompt rows (token-id lists) as one left-padded batch."""
+        width = max(len(r) for r in rows)
+        ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
         kwargs = {"assistant_model": drafter} if speculative else {}
         start = time.perf_counter()
-        out = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                              max_new_tokens=new_tokens, **kwargs)
+        out = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
+                              pad_token_id=pad, **kwargs)
         seconds = time.perf_counter() - start
-        return getattr(out, "sequences", out)[0, ids.shape[1]:].tolist(), seconds
+        out = getattr(out, "sequences", out)[:, width:].tolist()
+        return [trimmed(row) if len(rows) > 1 else row for row in out], seconds
 
-    warm = torch.tensor([prompts[0][:64]])
+    warm = [prompts[0][:64]] * batch_size
     for speculative in (False, True, False, True):  # first-call costs stay out of the timings
         generate(warm, speculative, 8)
     with open(out, "a") as f:
-        for index, prompt in enumerate(prompts):
-            ids = torch.tensor([prompt])
+        for first in range(0, len(prompts) - batch_size + 1, batch_size):
+            rows = prompts[first:first + batch_size]
             done = {}
-            for speculative in ((False, True) if index % 2 == 0 else (True, False)):
-                done[speculative] = generate(ids, speculative)
+            for speculative in ((False, True) if (first // batch_size) % 2 == 0 else (True, False)):
+                done[speculative] = generate(rows, speculative)
             (plain, plain_s), (spec, spec_s) = done[False], done[True]
-            f.write(json.dumps({"label": label, "suite": suite, "prompt": index, "plain_s": plain_s,
-                                "plain_n": len(plain), "spec_s": spec_s, "spec_n": len(spec), "plain": plain,
-                                "spec": spec}) + "\n")
+            plain_total, spec_total = sum(map(len, plain)), sum(map(len, spec))
+            for i in range(len(rows)):  # a batch's seconds shared by its rows in proportion to their tokens
+                f.write(json.dumps({"label": label, "suite": suite, "prompt": first + i,
+                                    "plain_s": plain_s * len(plain[i]) / max(plain_total, 1),
+                                    "plain_n": len(plain[i]), "spec_s": spec_s * len(spec[i]) / max(spec_total, 1),
+                                    "spec_n": len(spec[i]), "plain": plain[i], "spec": spec[i],
+                                    "batch_size": batch_size}) + "\n")
             f.flush()
 
 
@@ -169,6 +184,9 @@ def main() -> int:
     r.add_argument("label", help="the checkout's name in the results, e.g. old or new")
     r.add_argument("results", help="JSONL file the rows are appended to")
     r.add_argument("--max-new-tokens", type=at_least(1), default=128)
+    r.add_argument("--batch-size", type=at_least(1), default=1,
+                   help="prompts per generate call (left-padded; its rows share the call's seconds by tokens, so a "
+                        "row's speedup is its batch's)")
     c = sub.add_parser("check")
     c.add_argument("prompts", type=existing_file)
     c.add_argument("results", type=existing_file)
@@ -178,7 +196,7 @@ def main() -> int:
     if args.command == "dump":
         dump(args.prompts, args.num_prompts)
     elif args.command == "run":
-        run(args.prompts, args.suite, args.label, args.results, args.max_new_tokens)
+        run(args.prompts, args.suite, args.label, args.results, args.max_new_tokens, args.batch_size)
     elif args.command == "check":
         return check(args.prompts, args.results)
     else:

@@ -1,4 +1,4 @@
-"""Batched TreeSpark decoding (`batch.py`): `generate` on a left-padded batch equals plain batched `generate`."""
+"""Batched TreeSpark decoding (`decoding/session.py`): `generate` on a left-padded batch equals plain `generate`."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from test_generation import chi_square_ok
 from transformers.generation.streamers import BaseStreamer
 
 from hf_treespark import TreeSparkDrafter
-from hf_treespark.decoding import batch, budget
-from hf_treespark.decoding.batch import right_aligned
+from hf_treespark.decoding import budget
+from hf_treespark.decoding import session as batch
+from hf_treespark.decoding.session import right_aligned
 
 EOS = 2
 

@@ -172,7 +172,7 @@ def test_a_probe_is_timed_by_its_target_forward_alone(monkeypatch):
     commit 8 s; whole numbers, so every sum is exact): a probe counts 2 s, a judged round 11 s."""
     import time
 
-    from hf_treespark.decoding import engine
+    from hf_treespark.decoding.session import DecodingSession
 
     target = make_target("llama")
     drafter = make_drafter(target)
@@ -187,7 +187,7 @@ def test_a_probe_is_timed_by_its_target_forward_alone(monkeypatch):
         return timed
 
     for method, seconds in (("draft", 1.0), ("verify", 2.0), ("commit", 8.0)):
-        monkeypatch.setattr(engine.TreeSparkSession, method, taking(seconds, getattr(engine.TreeSparkSession, method)))
+        monkeypatch.setattr(DecodingSession, method, taking(seconds, getattr(DecodingSession, method)))
     guard = CallGuard(window=2, probes=2, margin=float("inf"), skip=0, recheck=100)
     out = target.generate(prompt(4, 7), assistant_model=drafter, do_sample=False, max_new_tokens=12, tree_guard=guard,
                           return_dict_in_generate=True)

@@ -17,7 +17,7 @@ from test_batch import LENGTHS, batch_oracle, eos_forcing_target, padded_batch
 from test_generation import make_oracle, prompt
 
 from hf_treespark.core.exactness import check_greedy_equivalence
-from hf_treespark.decoding import batch
+from hf_treespark.decoding import session as batch
 from hf_treespark.precision import DTYPES
 
 # the drafter's default tree, a chain, a wide tree, and "auto" (the budget this device's latency, or its default, picks)

@@ -12,7 +12,8 @@ from conftest import make_drafter, make_target
 import hf_treespark
 from hf_treespark.core.tree import TreePolicy
 from hf_treespark.decoding import budget
-from hf_treespark.decoding.engine import TreeSparkSession, feature_indices
+from hf_treespark.decoding.engine import feature_indices
+from hf_treespark.decoding.session import DecodingSession
 from hf_treespark.sources.lookup import LOOKUP_LONG_TOKENS
 
 PACKAGE = Path(hf_treespark.__file__).parent
@@ -94,13 +95,13 @@ def test_a_hand_driven_session_reproduces_generate(llama_pair):
     target, drafter = llama_pair
     ids = torch.randint(4, 100, (1, 7), generator=torch.Generator().manual_seed(2))
     ref = target.generate(ids, do_sample=False, max_new_tokens=20)
-    session = TreeSparkSession(target, drafter, TreePolicy.from_config(drafter.config))
+    session = DecodingSession(target, drafter, TreePolicy.from_config(drafter.config))
     seq = torch.cat([ids, session.prefill(ids).argmax(-1, keepdim=True)], dim=1)
     while seq.shape[1] < ref.shape[1]:
-        rnd = session.step(seq)
+        rnd = session.step([seq[0]], [seq])[0]
         assert rnd.tree.num_nodes == drafter.config.tree_budget
         seq = torch.cat([seq, rnd.tokens], dim=1)
-        assert session.past_len == seq.shape[1] - 1  # everything but the new bonus is in the target cache
+        assert int(session.lengths[0]) == seq.shape[1] - 1  # everything but the new bonus is in the target cache
     assert torch.equal(seq[:, : ref.shape[1]], ref)
 
 
@@ -119,12 +120,12 @@ def test_lookup_only_rounds_skip_the_drafter_and_its_next_pass_sees_every_commit
 
     drafter.forward = recording_forward
     try:
-        session = TreeSparkSession(target, drafter, TreePolicy.from_config(drafter.config, lookup=4))
+        session = DecodingSession(target, drafter, TreePolicy.from_config(drafter.config, lookup=4))
         seq = torch.cat([ids, session.prefill(ids).argmax(-1, keepdim=True)], dim=1)
         kinds, long, sizes = [], False, []
         while seq.shape[1] < ref.shape[1]:
             before = len(passes)
-            rnd = session.step(seq)
+            rnd = session.step([seq[0]], [seq])[0]
             kinds.append("drafter" if len(passes) > before else "lookup")
             if kinds[-1] == "lookup":
                 # L = 4 nodes, or up to LOOKUP_LONG_TOKENS after a lookup-only round accepted its whole branch
@@ -256,22 +257,22 @@ def test_a_closed_drafter_gate_skips_the_drafter_and_stays_exact(llama_pair):
     kinds = {}
     try:
         for gate in (0.0, 0.5):
-            session = TreeSparkSession(target, drafter, TreePolicy.from_config(drafter.config, lookup=6), gate=gate)
+            session = DecodingSession(target, drafter, TreePolicy.from_config(drafter.config, lookup=6), gate=gate)
             seq = torch.cat([ids, session.prefill(ids).argmax(-1, keepdim=True)], dim=1)
             kinds[gate] = []
             while seq.shape[1] < ref.shape[1]:
-                passes, idle = len(offsets), session.planner.gate.idle
-                rnd = session.step(seq)
+                passes, idle = len(offsets), session.gate.idle
+                rnd = session.step([seq[0]], [seq])[0]
                 if len(offsets) > passes:
                     kinds[gate].append("drafter")
-                    assert session.planner.gate.idle == 0
-                elif session.planner.gate.idle == idle + 1:  # the gate skipped the drafter
+                    assert session.gate.idle == 0
+                elif session.gate.idle == idle + 1:  # the gate skipped the drafter
                     kinds[gate].append("gated")
                     assert rnd.tree.num_nodes <= 6  # one branch of at most L tokens
                     assert rnd.tree.num_nodes == 0 or bool(rnd.tree.lookup[0, 1:].all())
                 else:  # a lookup-only round (a 3-token match) leaves the gate's count alone
                     kinds[gate].append("lookup")
-                    assert session.planner.gate.idle == idle
+                    assert session.gate.idle == idle
                 seq = torch.cat([seq, rnd.tokens], dim=1)
             assert torch.equal(seq[:, : ref.shape[1]], ref), gate
     finally:

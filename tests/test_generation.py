@@ -382,8 +382,8 @@ def test_candidate_generator_in_a_hand_written_loop(llama_pair):
         candidates, _ = gen.get_candidates(seq)
         tree = gen.tree
         assert torch.equal(candidates[:, seq.shape[1]:], tree.tokens[:, 1:])
-        out = target(tree.tokens, position_ids=tree_position_ids(tree, past),
-                     attention_mask=tree_attention_mask(tree, past, target.dtype), cache=cache,
+        out = target(tree.tokens, position_ids=tree_position_ids(tree.depths, past),
+                     attention_mask=tree_attention_mask(tree.ancestors, past, target.dtype), cache=cache,
                      output_hidden_states=True)
         acc = greedy_accept(tree, out.logits)
         keep = acc.path[:, : int(acc.num_accepted[0]) + 1]

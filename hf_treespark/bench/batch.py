@@ -25,7 +25,7 @@ from .suites import SUITE_LABELS, select_prompts, suite_max_prompt_tokens
 
 def batch_inputs(tokenizer, prompts: list[str]) -> dict:
     """A left-padded batch of chat-formatted prompts (`input_ids`, `attention_mask`), as a batched pipeline makes."""
-    from ..decoding.batch import left_padded
+    from ..decoding.session import left_padded
     from ..hub import assets
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -32,7 +32,7 @@ def _timed_generate(target, inputs: dict, **kwargs):
 
 def batched(prompts: list[dict], rows: int, pad_token_id: int) -> list[dict]:
     """Batch-1 inputs as left-padded batches of `rows` (the last may be smaller)."""
-    from ..decoding.batch import left_padded
+    from ..decoding.session import left_padded
 
     return [left_padded([p["input_ids"][0] for p in prompts[i:i + rows]], pad_token_id)
             for i in range(0, len(prompts), rows)]

@@ -48,7 +48,7 @@ from transformers import DynamicCache
 
 from ..core.cpu_gemm import model_is_packed
 from ..core.tree import TreePolicy, pack_tree
-from ..core.verify import cache_kwarg, grouped_attention
+from ..core.verify import cache_kwarg, grouped_attention, tree_attention_mask, tree_position_ids
 from ..decoding.engine import draft_pool, feature_indices
 from ..storage import acquire_lock, cache_dir, unwritable_reason
 
@@ -220,12 +220,11 @@ def measure_round_latency(target, drafter, policy: TreePolicy, budgets=CANDIDATE
 
     verify_inputs = {}
     for n in (0, *budgets):
-        allowed = torch.ones(n + 1, context + n + 1, dtype=torch.bool, device=device).tril(context)
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
-        positions = torch.arange(context, context + n + 1, device=device)[None].expand(batch, -1)
+        chain = torch.ones(batch, n + 1, n + 1, dtype=torch.bool, device=device).tril()  # [batch, n + 1, n + 1]
+        depths = torch.arange(n + 1, device=device)[None].expand(batch, -1)
         verify_inputs[n] = {"input_ids": torch.randint(0, vocab, (batch, n + 1), generator=generator).to(device),
-                            "position_ids": positions,
-                            "attention_mask": mask[None, None].expand(batch, -1, -1, -1)}
+                            "position_ids": tree_position_ids(depths, context),
+                            "attention_mask": tree_attention_mask(chain, context, dtype)}
 
     def verify_once(n: int) -> None:
         with grouped_attention(target):

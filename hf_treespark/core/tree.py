@@ -327,6 +327,24 @@ def pack_tree(pool: Candidates, root_tokens: torch.Tensor, budget: int, max_dept
                      ancestor_matrix(tree_parents, max_depth), candidates, *flags)
 
 
+def stack_trees(trees: list[DraftTree]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(tokens [B, W], depths [B, W], ancestors [B, W, W])`: one-row trees (`[1, ...]` each) as the rows of one
+    verify forward, `W` the widest tree's nodes + 1. A smaller tree is padded with copies of its root at depth 0 that
+    see only themselves (and the prefix) and are never walked. One tree is returned as it is."""
+    if len(trees) == 1:
+        return trees[0].tokens, trees[0].depths, trees[0].ancestors
+    rows, width = len(trees), max(tree.num_nodes for tree in trees) + 1
+    device = trees[0].tokens.device
+    tokens = torch.stack([tree.tokens[0, :1].expand(width) for tree in trees]).clone()  # [B, W]
+    depths = torch.zeros(rows, width, dtype=trees[0].depths.dtype, device=device)  # [B, W]
+    ancestors = torch.eye(width, dtype=torch.bool, device=device).repeat(rows, 1, 1)  # [B, W, W]
+    for i, tree in enumerate(trees):
+        n = tree.num_nodes + 1
+        tokens[i, :n], depths[i, :n] = tree.tokens[0], tree.depths[0]
+        ancestors[i, :n, :n] = tree.ancestors[0]
+    return tokens, depths, ancestors
+
+
 def ancestor_matrix(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     """`[b, n]` parent indices (-1 = root, parents first) -> `[b, n, n]` bool, row `i` = `i` and its ancestors.
 

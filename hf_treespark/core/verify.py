@@ -96,20 +96,22 @@ def grouped_attention(model) -> Iterator[None]:
         config._attn_implementation = "sdpa"
 
 
-def tree_attention_mask(
-    tree: DraftTree, past_len: int, dtype: torch.dtype, prefix_mask: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Additive float mask `[b, 1, N + 1, past_len + N + 1]`: 0 where a node may attend, dtype-min elsewhere.
+def tree_attention_mask(ancestors: torch.Tensor, prefix: int | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The verify forward's additive float mask `[b, 1, W, L + W]`: 0 where a node may attend, dtype-min elsewhere
+    (a float mask works for both eager and sdpa attention; eager silently misreads bool masks). The one builder:
+    every verify forward, for one row or a ragged batch, and the latency measurement's, uses it.
 
-    A float mask works for both eager and sdpa attention (eager silently misreads bool masks).
-    `prefix_mask` `[b, past_len]` (1 = real token) hides padded prefix positions.
+    `ancestors` `[b, W, W]` bool: node `i` may see node `j` (itself and its ancestors; `DraftTree.ancestors`, or
+    `tree.stack_trees`'). `prefix`: the `L` cache entries before the tree; an int when every node sees all of
+    them, or `[b, L]` bool (True: a real entry of the row's own text) for a ragged batch.
     """
-    b, n = tree.tokens.shape
-    device = tree.tokens.device
-    allowed_prefix = (torch.ones(b, n, past_len, dtype=torch.bool, device=device) if prefix_mask is None
-                      else prefix_mask.bool()[:, None, :].expand(b, n, past_len))
-    allowed = torch.cat([allowed_prefix, tree.ancestors], dim=-1)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    b, w, _ = ancestors.shape
+    if isinstance(prefix, int):
+        allowed_prefix = torch.ones(b, w, prefix, dtype=torch.bool, device=ancestors.device)
+    else:
+        allowed_prefix = prefix[:, None, :].expand(b, w, prefix.shape[1])
+    allowed = torch.cat([allowed_prefix, ancestors], dim=-1)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=ancestors.device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[:, None]
 
@@ -119,9 +121,10 @@ def cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def tree_position_ids(tree: DraftTree, past_len: int) -> torch.Tensor:
-    """`[b, N + 1]`: each node sits at `past_len + depth`."""
-    return past_len + tree.depths
+def tree_position_ids(depths: torch.Tensor, past: int | torch.Tensor) -> torch.Tensor:
+    """`[b, W]`: each node sits at its row's committed tokens (`past`: an int, or `[b]`) plus its depth
+    (`depths` `[b, W]`)."""
+    return past + depths if isinstance(past, int) else past[:, None] + depths
 
 
 @dataclass

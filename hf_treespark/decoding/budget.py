@@ -202,7 +202,7 @@ def default_batch_cost(target, budgets, batch: int) -> dict[str, dict[int, float
 
 
 class BatchBudget:
-    """The budget and the drafter gate's threshold for a batch (`batch.py`), by the number of unfinished rows `B`.
+    """The budget and the drafter gate's threshold for a batch (`session.py`), by the number of unfinished rows `B`.
 
     Budget (`tree_budget="auto"`; a fixed budget stays as given): the one with the most committed tokens per
     second, `tau(N) / cost_B(N)` (`cost_B(N)`: a round of `B` rows at budget `N`, drafter pass included, in plain
@@ -441,7 +441,7 @@ def calibrate_batch_acceptance(target, drafter, prompts: list[dict], budgets=(2,
     left-padded here into batches of `batch`."""
     from tqdm.auto import tqdm
 
-    from .batch import left_padded
+    from .session import left_padded
 
     batches = [left_padded([p["input_ids"][0] for p in prompts[start:start + batch]], pad_token_id)
                for start in range(0, len(prompts), batch)]

@@ -28,7 +28,7 @@ judgement, leaves a slow moment no way to end a fast call.
 A probe is not lost work: it commits its token, as plain decoding would. It costs what the rounds it replaces would
 have gained: 1-3% of a 128-token call (two probes among 25-40 rounds), most on copy-heavy text, where a round commits
 most (the copy suite, bf16, 2-core AMD EPYC, 2026-12-06: 12 probes among 171 rounds on 6 prompts, 2.8% of the
-decoding time). Only the probe's target forward is timed (`TreeSparkSession.step(probe=True)`, synchronised on
+decoding time). Only the probe's target forward is timed (`DecodingSession.step(probe=True)`, synchronised on
 CUDA): a whole probe round carries this loop's own work beyond a plain step (the 4D mask, the walk, the commit, the
 drafter's pending features), which made its pace 7% slower than transformers' own steps (bf16 machine, 2026-12-03),
 so that the guard handed off only where TreeSpark was about 12% slower than plain. transformers' loop adds its own,

@@ -1,26 +1,15 @@
-"""The round engine: one decoding session of a target with a TreeSpark drafter, phase by phase.
+"""A round's parts for one row: the target's features, the drafter pass and its candidate pool, the row's plan.
 
-A round (SPEC sections 2-3), for the last committed token `x0` (not yet in the target's cache):
+    draft    one drafter pass over `[x0, MASK * (B - 1)]`, conditioned on the target features of the positions
+             committed since the last pass (`drafter_pass`); the tree policy expands a candidate pool
+             (`expand_pool`, `tree.expand_tree`) and packs the `N` best nodes (`tree.pack_tree`)
+    plan     `RowPlanner`: the row's lookup branches, lookup-only rounds (no drafter pass), the drafter gate, the
+             datastore's branches, and packing the drafter's pool with them
+    record   `Round`: the packed tree, the walk's result, how many nodes it accepted; `PhaseTimer`: time per phase
 
-    draft    one drafter pass over `[x0, MASK * (B - 1)]`, conditioned on the target features of
-             the positions committed since the last round; the tree policy expands a candidate
-             pool and packs the `N` best nodes (`tree.expand_tree`, `tree.pack_tree`)
-    verify   ONE target forward over `[x0] + packed nodes`, positions `past_len + depth`, with a
-             4D mask that lets each node see the committed prefix and its own path
-    accept   the walk keeps the longest path the target agrees with, plus the target's bonus token
-    commit   the target cache keeps the root and accepted entries; their features extend the
-             drafter's context; the bonus is the next round's `x0`
-
-With lookup on (`policy.lookup`), a round whose text suffix recurs strongly is lookup-only: it
-verifies the looked-up continuations without a drafter pass (`lookup.is_lookup_round`), and the
-features it commits join the next drafter pass's context. While the drafter's recent rounds got fewer
-drafted tokens accepted than a drafter round costs (`lookup.DrafterGate`), the other rounds skip it
-too and verify a short lookup branch, or the root alone.
-
-`TreeSparkSession` owns the target cache, the drafter's context and the policy. `generate()`'s loop
-(`generation.py`) drives it; `draft_pool` is the draft step for everything else that drafts
-(the candidate generator, the latency measurement). This module imports only torch, transformers
-and the tree/verification modules, so it can ship as remote code.
+`session.DecodingSession` runs the round for `B >= 1` rows with these; `draft_pool` is the draft step for everything
+else that drafts (the candidate generator, the latency measurement). Imports only torch, transformers and the
+core, sources and drafter subpackages, so it ships as remote code.
 """
 
 from __future__ import annotations
@@ -28,23 +17,15 @@ from __future__ import annotations
 import inspect
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, LogitsProcessorList
 
 from ..core.tree import Candidates, DraftTree, TreePolicy, expand_tree, pack_tree
 from ..core.verify import (
     Acceptance,
-    cache_kwarg,
-    commit_cache,
-    greedy_accept,
-    grouped_attention,
-    processed_accept,
-    tree_attention_mask,
-    tree_position_ids,
 )
 from ..drafter.modeling import TreeSparkDrafterOutput
 from ..sources.datastore import MAX_MATCH
@@ -219,8 +200,7 @@ class RoundPlan:
 
 class RowPlanner:
     """The per-sequence part of a round's tree: lookup branches, lookup-only rounds, the drafter gate, datastore
-    branches, and packing the drafter's pool with them (`TreeSparkSession.draft` for one sequence; the batched
-    session keeps one per row, `batch.py`).
+    branches, and packing the drafter's pool with them (`session.DecodingSession` keeps one per row).
 
     `max_nodes`: at most this many nodes per tree, lookup and datastore nodes included (None: the budget plus
     their allowance, as at batch size 1; 0: the root alone, a plain step).
@@ -304,129 +284,3 @@ class RowPlanner:
             self.long_lookup = rnd.num_accepted == tree.num_nodes >= self.policy.lookup
         if self.ran_drafter and self.gate is not None:
             self.gate.drafted(rnd.num_accepted - rnd.lookup_accepted() - rnd.datastore_accepted())
-
-
-class TreeSparkSession:
-    """Decoding state of one sequence (batch size 1): target KV cache, drafter context, policy.
-
-    Usage: `first_logits = session.prefill(prompt_ids)`, pick the first token, then repeatedly
-    `rnd = session.step(ids)` with `ids` every token so far (its last is `x0`) and append `rnd.tokens`.
-
-    Args:
-        target: the causal LM (eager or sdpa attention).
-        drafter: a `TreeSparkDrafter` built for it (bound here).
-        policy: the tree policy; with `policy.auto`, `choose_budget(pool_scores)` fixes the budget
-            on the first round from the candidate pool's scores (`[C]`, root excluded).
-        logits_processor / do_sample: how the target picks tokens; greedy without processors takes
-            the vectorised walk, anything else the per-node walk of `verify.processed_accept`.
-        keep_scores: keep the processed scores and raw logits of every committed token.
-        gate: with lookup on, the drafter gate's threshold (`lookup.DrafterGate`; `budget.gate_threshold`
-            gives this device's); 0 runs the drafter in every round that is not lookup-only.
-        datastore: a `datastore.Datastore` whose branches join every round that is not lookup-only, or None.
-    """
-
-    def __init__(self, target, drafter, policy: TreePolicy, *, logits_processor: LogitsProcessorList | None = None,
-                 do_sample: bool = False, keep_scores: bool = False, cache: DynamicCache | None = None,
-                 choose_budget: Callable[[torch.Tensor], int] | None = None, timer: PhaseTimer | None = None,
-                 gate: float = 0.0, datastore=None):
-        self.target = target
-        self.drafter = drafter.bind_target(target)
-        self.choose_budget = choose_budget
-        self.processors = logits_processor if logits_processor is not None else LogitsProcessorList()
-        self.do_sample = do_sample
-        self.keep_scores = keep_scores
-        self.walk_processed = do_sample or len(self.processors) > 0 or keep_scores
-        self.cache = cache if cache is not None else DynamicCache(config=target.config)
-        self.cache_kw = cache_kwarg(target)
-        self.hidden_ids = feature_indices(drafter.config.target_layer_ids)
-        self.context = drafter.new_context_cache()
-        self.pending: torch.Tensor | None = None  # target features not yet in the drafter's context
-        self.past_len = 0  # entries in the target cache
-        self.timer = timer
-        self.planner = RowPlanner(policy, gate, datastore, timer)
-
-    @property
-    def policy(self) -> TreePolicy:
-        return self.planner.policy
-
-    def _phase(self, name: str):
-        return self.timer(name) if self.timer is not None else nullcontext()
-
-    def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Run the prompt `[1, T]` through the target; returns the last position's logits `[1, V]`."""
-        with grouped_attention(self.target):
-            out = self.target(input_ids=input_ids, use_cache=True, output_hidden_states=self.hidden_ids,
-                              **{self.cache_kw: self.cache}, **last_logits_only(self.target))
-        self.pending = select_features(out.hidden_states, self.hidden_ids)
-        self.past_len = input_ids.shape[1]
-        return out.logits[:, -1]
-
-    def draft(self, ids: torch.Tensor, probe: bool = False) -> DraftTree:
-        """Draft and pack this round's tree for the sequence `ids` (`[1, T]`; its last token is the anchor `x0`):
-        the planner's lookup-only or gated tree (`RowPlanner.plan`), or a drafter pass whose pool it packs with
-        the round's lookup and datastore branches. The features a round without a drafter pass commits wait in
-        `pending` for the next one."""
-        plan = self.planner.plan(ids[0, ids.shape[1] - 1 - self.past_len:], probe)  # the unpadded text, x0 last
-        if plan.tree is not None:
-            return plan.tree
-        with self._phase("draft"):
-            drafted = drafter_pass(self.drafter, self.policy, plan.x0, self.past_len, self.pending, self.context)
-        self.pending = None
-        with self._phase("tree"):
-            pool = expand_pool(self.drafter, drafted, plan.x0, self.policy, self.planner.stop_budget(plan))
-            if self.policy.auto:  # chosen on the drafter's own pool: the budget is the drafter's
-                if self.choose_budget is None:
-                    raise ValueError("an 'auto' tree budget needs choose_budget (see hf_treespark.decoding.budget)")
-                self.planner.policy = self.policy.with_budget(self.choose_budget(pool.scores[0]))
-            return self.planner.pack(plan, pool)
-
-    def verify(self, tree: DraftTree):
-        """ONE target forward over the packed tree; the output has logits `[1, N + 1, V]`."""
-        with grouped_attention(self.target):
-            return self.target(
-                input_ids=tree.tokens,
-                position_ids=tree_position_ids(tree, self.past_len),
-                attention_mask=tree_attention_mask(tree, self.past_len, self.target.dtype),
-                use_cache=True,
-                output_hidden_states=self.hidden_ids,
-                **{self.cache_kw: self.cache},
-            )
-
-    def accept(self, tree: DraftTree, logits: torch.Tensor, ids: torch.Tensor) -> Acceptance:
-        """The acceptance walk; `ids` (all tokens so far) is the prefix logits processors see."""
-        if self.walk_processed:
-            return processed_accept(tree, logits, ids, self.processors, self.do_sample, keep_scores=self.keep_scores)
-        return greedy_accept(tree, logits)
-
-    def commit(self, verified, acceptance: Acceptance, num_accepted: int) -> None:
-        """Keep the root's and the accepted nodes' cache entries; queue their features for the drafter.
-
-        Their features are exact: each node attended only to the committed prefix and its ancestors.
-        """
-        keep = acceptance.path[:, : num_accepted + 1]
-        commit_cache(self.cache, self.past_len, keep)
-        features = select_features(verified.hidden_states, self.hidden_ids)
-        features = features.gather(1, keep[:, :, None].expand(-1, -1, features.shape[-1]))
-        # after a lookup-only round the drafter has not yet seen the previous round's features
-        self.pending = features if self.pending is None else torch.cat([self.pending, features], dim=1)
-        self.past_len += num_accepted + 1
-
-    @torch.no_grad()
-    def step(self, ids: torch.Tensor, probe: bool = False) -> Round:
-        """One round for the sequence `ids` (`[1, T]`, last token `x0`): draft, verify, accept, commit. A `probe`
-        verifies the root alone, a plain step. A probe's target forward is timed (`Round.verify_seconds`), and every
-        round's on a CPU, where the clock needs no synchronisation."""
-        tree = self.draft(ids, probe)
-        timed = probe or tree.tokens.device.type == "cpu"
-        with self._phase("verify"):
-            began = synchronised_clock(tree.tokens.device) if timed else 0.0
-            verified = self.verify(tree)
-            seconds = synchronised_clock(tree.tokens.device) - began if timed else None
-        with self._phase("walk"):
-            acceptance = self.accept(tree, verified.logits, ids)
-            num_accepted = int(acceptance.num_accepted[0])
-        with self._phase("commit"):
-            self.commit(verified, acceptance, num_accepted)
-        rnd = Round(tree, acceptance, num_accepted, seconds, self.planner.round_kind(probe))
-        self.planner.after_round(tree, rnd)
-        return rnd

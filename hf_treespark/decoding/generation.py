@@ -2,7 +2,7 @@
 
 `treespark_decoding` has the signature of a transformers `custom_generate` callable: `generate()`
 prepares the generation config, logits processors and stopping criteria, then calls it (see
-`integration.py`). It prefills, then drives `engine.TreeSparkSession` one round at a time
+`integration.py`). It prefills, then drives `session.DecodingSession` (one row) a round at a time
 (draft, verify in one target forward, accept, commit), and does what `generate` promises around
 that: stopping criteria inside a round, streaming, scores, per-round records.
 
@@ -25,7 +25,7 @@ from ..sources.datastore import HEADER_TOKENS
 from ..sources.lookup import add_lookup_branches, find_lookup_branches, max_extra_budget
 from .budget import auto_budget
 from .call_guard import hand_off, resolve_guard
-from .engine import TreeSparkSession, draft_pool
+from .engine import draft_pool
 from .generation_batch import batched_decoding
 from .generation_checks import (
     check_arguments,
@@ -39,6 +39,7 @@ from .generation_checks import (
     resolve_policy,
 )
 from .generation_output import RoundRecord, TreeSparkGenerateOutput, acceptance_stats, first_stop, tree_record_dict
+from .session import DecodingSession
 
 # This module's public names and those of the three above, which other modules, tests and user code import from here.
 __all__ = ["RoundRecord", "TreeSparkCandidateGenerator", "TreeSparkGenerateOutput", "acceptance_stats",
@@ -71,7 +72,7 @@ def _auto_chooser(model, drafter, policy: TreePolicy):
     chosen = auto_budget(model, drafter, policy)
     if chosen is not None:
         return policy.with_budget(chosen), None
-    return policy, lambda pool_scores: auto_budget(model, drafter, policy, pool_scores)
+    return policy, lambda pool_scores: auto_budget(model, drafter, policy, pool_scores[0])  # [1, C]: one row
 
 
 @torch.no_grad()
@@ -131,9 +132,9 @@ def treespark_decoding(
     # Left padding (batch size 1): the target sees the unpadded prompt; processors and stopping
     # criteria see the padded sequence, as in plain decoding.
     num_pad = left_padding(model_kwargs.get("attention_mask"), input_ids)
-    session = TreeSparkSession(model, drafter, policy, logits_processor=logits_processor, do_sample=do_sample,
-                               keep_scores=want_scores or want_logits, cache=empty_cache(model_kwargs),
-                               choose_budget=choose_budget, timer=tree_timer, gate=gate, datastore=datastore)
+    session = DecodingSession(model, drafter, policy, logits_processor=logits_processor, do_sample=do_sample,
+                              keep_scores=want_scores or want_logits, cache=empty_cache(model_kwargs),
+                              choose_budget=choose_budget, timer=tree_timer, gate=gate, datastore=datastore)
 
     if streamer is not None:
         streamer.put(input_ids.cpu())
@@ -161,7 +162,7 @@ def treespark_decoding(
         probe = guard is not None and guard.probing  # the root alone: a plain step, its forward timed
         began = time.perf_counter()
         with session.timer("round") if session.timer is not None else nullcontext():
-            rnd = session.step(ids, probe)
+            rnd = session.step([ids[0, num_pad:]], [ids], probe)[0]
             ids, new_tokens, done = _committed(rnd, ids, stopping_criteria)
             if want_scores:
                 scores.extend(rnd.acceptance.scores[:new_tokens.shape[1]])

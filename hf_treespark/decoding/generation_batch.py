@@ -1,7 +1,7 @@
 """`generate()` for a left-padded batch: each row to its own end, padded as plain batched `generate` pads it.
 
 Apart from the one-row loop (`generation.py`) because a batch is its own idea: a ragged session
-(`batch.BatchedSession`), rows that finish and leave it, a budget re-chosen for the rows left (`budget.BatchBudget`),
+(`session.DecodingSession`), rows that finish and leave it, a budget re-chosen for the rows left (`budget.BatchBudget`),
 and the hand-over to transformers' own loop once no tree pays. `generation.treespark_decoding` calls
 `batched_decoding` for any batch of more than one row.
 """
@@ -15,10 +15,10 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 
 from ..core.tree import TreePolicy
 from ..sources.datastore import HEADER_TOKENS
-from .batch import BatchedSession
 from .budget import BatchBudget
 from .generation_checks import check_batch, empty_cache
 from .generation_output import RoundRecord, TreeSparkGenerateOutput, acceptance_stats, first_stop
+from .session import DecodingSession
 
 
 def _pad_token(generation_config: GenerationConfig) -> int:
@@ -39,7 +39,7 @@ def _pad_token(generation_config: GenerationConfig) -> int:
 def batched_decoding(model, drafter, input_ids: torch.Tensor, logits_processor: LogitsProcessorList,
                      stopping_criteria: StoppingCriteriaList, generation_config: GenerationConfig, policy: TreePolicy,
                      gate: float | None, datastore, streamer, tree_record: bool, tree_timer, model_kwargs: dict):
-    """`treespark_decoding` for a left-padded batch of `B > 1` rows (`batch.BatchedSession`).
+    """`treespark_decoding` for a left-padded batch of `B > 1` rows (`session.DecodingSession`).
 
     Each row stops at its own end (end-of-sequence, a stopping criterion, the length limit) and is padded with the
     pad token up to the longest row, as plain `generate` pads it; the batch ends when every row has ended. With
@@ -65,7 +65,7 @@ def batched_decoding(model, drafter, input_ids: torch.Tensor, logits_processor: 
         chooser.from_scores(scores)
         return chooser(len(active))
 
-    session = BatchedSession(model, drafter, policy, rows, logits_processor=logits_processor,
+    session = DecodingSession(model, drafter, policy, rows, logits_processor=logits_processor,
                              do_sample=bool(generation_config.do_sample), cache=empty_cache(model_kwargs),
                              timer=tree_timer, gate=gate if gate is not None else 0.0, datastore=datastore,
                              budget=budget,
@@ -145,11 +145,11 @@ class _RowStops(StoppingCriteria):
         return torch.tensor([s is not None for s in self.stopped], dtype=torch.bool, device=input_ids.device)
 
 
-def _finish_plain(model, session: BatchedSession, active: list[int], sequences: list[torch.Tensor], pads: list[int],
+def _finish_plain(model, session: DecodingSession, active: list[int], sequences: list[torch.Tensor], pads: list[int],
                   records: list[list[RoundRecord]], pad: int, stopping_criteria: StoppingCriteriaList,
                   logits_processor: LogitsProcessorList, generation_config: GenerationConfig) -> None:
     """The unfinished rows `active` decoded to their ends by transformers' own loop, continuing from the session's
-    cache (gathered into an ordinary left-padded cache, `BatchedSession.plain_inputs`): what "auto" does once no
+    cache (gathered into an ordinary left-padded cache, `DecodingSession.plain_inputs`): what "auto" does once no
     tree pays for the rows left (greedy without logits processors only: processors see the realigned padding).
     Appends each row's tokens to `sequences` and one record per token (a plain step) to `records`."""
     ids, mask, positions = session.plain_inputs([sequences[i][0, pads[i]:] for i in active], pad)

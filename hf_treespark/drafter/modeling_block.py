@@ -74,7 +74,7 @@ class DrafterContextCache:
     """Per-layer keys/values of the projected target context, `[b, kv_heads, S, head_dim]`.
 
     Only committed positions live here; the block's own keys/values are never cached. A batch whose rows have
-    different context lengths (`batch.py`) keeps `valid` (`[b, S]` bool): which entries are real; the others
+    different context lengths (`decoding/session.py`) keeps `valid` (`[b, S]` bool): which entries are real; the others
     (padding) are hidden from the block's attention. None: every entry is real.
 
     Each layer's entries sit at the start of a preallocated buffer with room to grow (`with_block`): a pass writes
@@ -93,7 +93,7 @@ class DrafterContextCache:
 
     def select(self, index: torch.Tensor, valid: torch.Tensor) -> None:
         """Rebuild every layer from its entries `index` (`[b, S']`, per row); `valid` (`[b, S']`) says which of
-        them are real (compaction, `batch.py`)."""
+        them are real (compaction, `decoding/session.py`)."""
         self.valid = valid
         for i, (keys, values) in enumerate(zip(self.keys, self.values, strict=True)):
             if keys is not None:
