@@ -7,9 +7,10 @@
 import torch
 from transformers import AutoConfig, AutoModel
 
+from .calibration.latency import cached_latency
 from .core.cpu_gemm import pack_linear_layers, unpack_linear_layers
 from .core.tree import DraftTree, TreePolicy, build_tree
-from .decoding import integration
+from .decoding import budget, integration
 from .decoding.generation import RoundRecord, TreeSparkCandidateGenerator, TreeSparkGenerateOutput
 from .drafter import modeling_io
 from .drafter.configuration import TreeSparkConfig
@@ -23,6 +24,7 @@ TreeSparkConfig.register_for_auto_class()
 TreeSparkDrafter.register_for_auto_class("AutoModel")
 integration.install()
 modeling_io.use_sharing(_card)  # saves and pushes write the model card and custom_generate/
+budget.use_cost_table(cached_latency)  # "auto" reads this machine's measured round costs
 
 
 def generate(target, drafter, input_ids=None, **kwargs):

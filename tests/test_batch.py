@@ -9,6 +9,7 @@ from test_generation import chi_square_ok
 from transformers.generation.streamers import BaseStreamer
 
 from hf_treespark import TreeSparkDrafter
+from hf_treespark.calibration import measure as measuring
 from hf_treespark.decoding import budget
 from hf_treespark.decoding import session as batch
 from hf_treespark.decoding.session import right_aligned
@@ -220,7 +221,7 @@ def test_the_auto_budget_shrinks_with_the_batch_and_falls_back_to_plain_steps(mo
     target = make_target("llama", "sdpa")
     drafter = make_drafter(target, tree_budget="auto")
     drafter.config.acceptance_profile = {"2": 1.5, "4": 1.7, "8": 1.8}
-    monkeypatch.setattr(budget, "round_latency", lambda *a, **k: None)  # no measurement: the defaults
+    monkeypatch.setattr(budget, "measured_latency", lambda *a, **k: None)  # no measurement: the defaults
     def costs(total: dict[int, float], draft: float) -> dict:
         return {"verify": {n: c - draft for n, c in total.items()}, "draft": {n: draft for n in total}}
 
@@ -249,7 +250,7 @@ def test_the_auto_budget_learns_from_what_the_rows_accept(monkeypatch):
     target = make_target("llama", "sdpa")
     drafter = make_drafter(target, tree_budget="auto")
     drafter.config.batch_acceptance_profile = {"2": 1.95, "4": 2.2, "8": 2.4}
-    monkeypatch.setattr(budget, "round_latency", lambda *a, **k: None)  # no measurement: the defaults
+    monkeypatch.setattr(budget, "measured_latency", lambda *a, **k: None)  # no measurement: the defaults
     monkeypatch.setattr(budget, "DEFAULT_CPU_BATCH_ROUND_COST", {"float32": {
         b: {"verify": {2: 1.4, 4: 1.55, 8: 2.5}, "draft": {2: 0.3, 4: 0.4, 8: 0.6}} for b in (1, 2, 4, 8, 16)}})
     policy = budget.TreePolicy.from_config(drafter.config)
@@ -294,7 +295,7 @@ def test_calibrating_batched_acceptance_counts_tokens_per_row_and_round():
     prompts = [{"input_ids": row[mask.bool()][None]} for row, mask in zip(ref_ids, ref_mask, strict=True)]
     reference = target.generate(ref_ids, attention_mask=ref_mask, do_sample=False, max_new_tokens=16, pad_token_id=0)
     oracle = batch_oracle(target, reference, ref_mask)
-    profile = budget.calibrate_batch_acceptance(target, oracle, prompts, budgets=(2, 4), batch=2, max_new_tokens=16,
+    profile = measuring.calibrate_batch_acceptance(target, oracle, prompts, budgets=(2, 4), batch=2, max_new_tokens=16,
                                                 progress=False)
     assert set(profile) == {"2", "4"}
     assert all(1.0 <= tau <= 5.0 for tau in profile.values())  # at most N accepted nodes and the bonus per round

@@ -19,6 +19,7 @@ from conftest import make_drafter, make_target
 
 from hf_treespark import TreeSparkConfig, TreeSparkDrafter
 from hf_treespark.calibration import latency
+from hf_treespark.calibration import measure as measuring
 from hf_treespark.core.tree import TreePolicy
 from hf_treespark.decoding import budget, call_guard
 
@@ -27,7 +28,7 @@ from hf_treespark.decoding import budget, call_guard
 def latency_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_TREESPARK_CACHE", str(tmp_path))
     monkeypatch.setattr(latency, "_warned", set())  # each test sees its own first warnings
-    return tmp_path / budget.LATENCY_FILE
+    return tmp_path / latency.LATENCY_FILE
 
 
 def steady_table(budgets, load=0.0) -> dict:
@@ -74,15 +75,15 @@ def test_latency_is_measured_once_and_cached(latency_cache, monkeypatch):
     policy = TreePolicy(budget=8)
     calls = []
     monkeypatch.setattr(latency, "measure_round_latency", lambda *a, **k: calls.append(1) or steady_table((2, 8)))
-    first = budget.round_latency(target, drafter, policy, budgets=(2, 8), context=16)
+    first = latency.round_latency(target, drafter, policy, budgets=(2, 8), context=16)
     # verify[0] is a plain step (one token), the drafter gate's unit
     assert set(first["verify"]) == {0, 2, 8} and all(s > 0 for s in first["verify"].values())
-    second = budget.round_latency(target, drafter, policy, budgets=(2, 8), context=16)
+    second = latency.round_latency(target, drafter, policy, budgets=(2, 8), context=16)
     assert len(calls) == 1 and second == first
     latency_cache.write_text("{ not json")  # a damaged cache is measured again, not trusted
     monkeypatch.setattr(latency, "_in_memory", {})  # as in a new process, which reads the file
-    with pytest.warns(budget.LatencyCacheWarning, match="not JSON"):
-        budget.round_latency(target, drafter, policy, budgets=(2, 8), context=16)
+    with pytest.warns(latency.LatencyCacheWarning, match="not JSON"):
+        latency.round_latency(target, drafter, policy, budgets=(2, 8), context=16)
     assert len(calls) == 2 and json.loads(latency_cache.read_text())
 
 
@@ -90,7 +91,7 @@ def test_auto_budget_uses_the_profile_and_the_measured_latency(latency_cache, mo
     target = make_target("llama")
     drafter = make_drafter(target, acceptance_profile={"2": 1.2, "64": 6.0})
     verify = {n: 0.01 * (1 + n / 64) for n in budget.CANDIDATE_BUDGETS}
-    monkeypatch.setattr(budget, "round_latency",
+    monkeypatch.setattr(budget, "measured_latency",
                         lambda *a, **k: {"verify": verify, "draft": {n: 0.0 for n in verify}})
     policy = TreePolicy(topk=4, frontier=4, budget=64, depth=7)
     chosen = budget.auto_budget(target, drafter, policy)
@@ -110,7 +111,7 @@ def test_auto_budget_decoding_is_exact(latency_cache, attn):
         assert torch.equal(out.sequences, ref)
         assert out.tree_budget in budget.CANDIDATE_BUDGETS
         assert all(r.tree_size <= out.tree_budget for r in out.rounds)
-    assert not latency_cache.exists()  # generate never measures; budget.calibrate_latency does
+    assert not latency_cache.exists()  # generate never measures; measuring.calibrate_latency does
 
 
 def test_config_accepts_auto_and_a_profile_and_refuses_nonsense(tmp_path):
@@ -134,7 +135,7 @@ def test_the_gate_threshold_is_a_drafter_rounds_extra_cost_in_plain_steps(latenc
     assert budget.gate_threshold(target, drafter, TreePolicy(budget=6)) == budget.FALLBACK_GATE["cpu"]
     verify = {0: 0.100, 2: 0.117, 4: 0.122, 8: 0.141}
     draft = {2: 0.020, 4: 0.021, 8: 0.022}
-    monkeypatch.setattr(budget, "round_latency", lambda *a, **k: {"verify": verify, "draft": draft})
+    monkeypatch.setattr(budget, "measured_latency", lambda *a, **k: {"verify": verify, "draft": draft})
     assert math.isclose(budget.gate_threshold(target, drafter, TreePolicy(budget=2)), 0.37)
     assert math.isclose(budget.gate_threshold(target, drafter, TreePolicy(budget=8)), 0.63)
     assert math.isclose(budget.gate_threshold(target, drafter, TreePolicy(budget=6)), 0.43)  # nearest: 4
@@ -175,7 +176,7 @@ def test_calibrated_acceptance_prices_drafter_rounds_without_lookup(monkeypatch)
         return out
 
     monkeypatch.setattr(type(target), "generate", spy)
-    profile = budget.calibrate_acceptance(target, drafter, [inputs], budgets=(4,), max_new_tokens=24, progress=False)
+    profile = measuring.calibrate_acceptance(target, drafter, [inputs], budgets=(4,), max_new_tokens=24, progress=False)
     (out,) = seen
     assert sum(r.lookup_accepted for r in out.rounds) == 0
     # nor the per-call guard: no probe among the rounds (with it, one comes after its first window of rounds)
@@ -186,7 +187,7 @@ def test_calibrated_acceptance_prices_drafter_rounds_without_lookup(monkeypatch)
 def test_a_real_measurement_times_every_budget_and_says_how_busy_the_machine_was(latency_cache):
     target = make_target("llama")
     drafter = make_drafter(target)
-    measured = budget.measure_round_latency(target, drafter, TreePolicy(budget=8), budgets=(2, 8), context=16,
+    measured = latency.measure_round_latency(target, drafter, TreePolicy(budget=8), budgets=(2, 8), context=16,
                                             repeats=2)
     assert set(measured["verify"]) == {0, 2, 8} and set(measured["draft"]) == {2, 8}
     assert all(0 < s < 60 for part in ("verify", "draft") for s in measured[part].values())
@@ -208,18 +209,18 @@ def test_a_real_measurement_times_every_budget_and_says_how_busy_the_machine_was
     ({"verify": {0: 0.04, 2: 0.045, 8: 0.05}, "draft": {2: 0.01, 8: 0.09}}, "more than 4x apart"),
 ])
 def test_unusable_and_implausible_tables_are_named(table, problem):
-    assert re.search(problem, budget.latency_problem(table, (2, 8)))
+    assert re.search(problem, latency.latency_problem(table, (2, 8)))
 
 
 def test_a_steady_table_passes_and_noise_within_tolerance_is_allowed():
-    assert budget.latency_problem(steady_table((2, 8)), (2, 8)) is None
+    assert latency.latency_problem(steady_table((2, 8)), (2, 8)) is None
     noisy = steady_table((2, 4, 8))
     noisy["verify"][4] = noisy["verify"][2] * 0.9  # 10% below a smaller budget: measurement noise
-    assert budget.latency_problem(noisy, (2, 4, 8)) is None
+    assert latency.latency_problem(noisy, (2, 4, 8)) is None
 
 
 def _cache_entry(target, drafter, table) -> dict:
-    key = budget.latency_key(target, drafter, TreePolicy.from_config(drafter.config), 256)
+    key = latency.latency_key(target, drafter, TreePolicy.from_config(drafter.config), 256)
     return {key: {part: {str(n): s for n, s in table[part].items()} for part in ("verify", "draft")}}
 
 
@@ -251,13 +252,13 @@ def test_a_damaged_cache_gives_one_warning_naming_the_file_and_decoding_goes_on(
     latency_cache.write_bytes(make(target, drafter))
     ids = torch.randint(4, 100, (1, 9), generator=torch.Generator().manual_seed(3))
     ref = target.generate(ids, do_sample=False, max_new_tokens=12)
-    with pytest.warns(budget.LatencyCacheWarning) as caught:
+    with pytest.warns(latency.LatencyCacheWarning) as caught:
         for _ in range(2):  # said once, not on every call
             out = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=12,
                                   return_dict_in_generate=True, tree_lookup=3)
             assert torch.equal(out.sequences, ref)
             assert out.tree_budget == budget.FALLBACK_BUDGET["cpu"]
-    messages = [str(w.message) for w in caught if issubclass(w.category, budget.LatencyCacheWarning)]
+    messages = [str(w.message) for w in caught if issubclass(w.category, latency.LatencyCacheWarning)]
     assert len(messages) == 1 and str(latency_cache) in messages[0] and re.search(problem, messages[0])
 
 
@@ -269,10 +270,10 @@ def test_a_directory_as_the_cache_path_is_found_before_measuring(latency_cache, 
     monkeypatch.setattr(latency, "measure_round_latency",
                         lambda *a, **k: events.append("measure") or steady_table(a[3]))
     monkeypatch.setattr(latency, "warnings", SimpleNamespace(warn=lambda message, *a, **k: events.append(message)))
-    table = budget.calibrate_latency(target, drafter)
+    table = measuring.calibrate_latency(target, drafter)
     assert events[1:] == ["measure"]  # one warning, before measuring
     assert "is a directory" in events[0] and "HF_TREESPARK_CACHE" in events[0]
-    assert table is not None and budget.has_latency(target, drafter)  # kept for this process
+    assert table is not None and latency.has_latency(target, drafter)  # kept for this process
     assert latency_cache.is_dir()
 
 
@@ -283,8 +284,8 @@ def test_an_unwritable_cache_location_means_no_caching_and_a_correct_answer(monk
     monkeypatch.setattr(latency, "measure_round_latency", lambda *a, **k: steady_table(a[3]))
     target = make_target("llama")
     drafter = make_drafter(target, tree_budget="auto")
-    with pytest.warns(budget.LatencyCacheWarning, match="HF_TREESPARK_CACHE"):
-        budget.ensure_latency(target, drafter, quiet=True)
+    with pytest.warns(latency.LatencyCacheWarning, match="HF_TREESPARK_CACHE"):
+        measuring.ensure_latency(target, drafter, quiet=True)
     ids = torch.randint(4, 100, (1, 9), generator=torch.Generator().manual_seed(3))
     out = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=12)
     assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=12))
@@ -348,8 +349,8 @@ def test_a_held_latency_lock_is_waited_for_a_bounded_time_named_and_auto_goes_on
         results["store"] = latency._store(latency_cache, "k", {"verify": {"0": 0.01}, "draft": {}})
 
     def first_use():
-        with pytest.warns(budget.LatencyCacheWarning) as caught:
-            results["table"] = budget.calibrate_latency(target, drafter)
+        with pytest.warns(latency.LatencyCacheWarning) as caught:
+            results["table"] = measuring.calibrate_latency(target, drafter)
         results["warnings"] = [str(w.message) for w in caught]
 
     with FileLock(str(lock)):  # held for the whole of both calls: the holder never lets go
@@ -367,7 +368,7 @@ def test_a_held_latency_lock_is_waited_for_a_bounded_time_named_and_auto_goes_on
     assert not latency_cache.exists()
     said = [line for line in capsys.readouterr().err.splitlines() if str(lock) in line]
     assert said and all("waiting" in line and "another process" in line for line in said), said
-    assert results["table"] is not None and budget.has_latency(target, drafter)  # kept for this process
+    assert results["table"] is not None and latency.has_latency(target, drafter)  # kept for this process
     assert len(results["warnings"]) == 1 and f"{lock}: " in results["warnings"][0]
 
 
@@ -381,8 +382,8 @@ def test_a_lock_file_that_cannot_be_created_is_named_not_the_cache(latency_cache
     monkeypatch.setattr(latency, "measure_round_latency", lambda *a, **k: steady_table(a[3]))
     target = make_target("llama")
     drafter = make_drafter(target, tree_budget="auto")
-    with pytest.warns(budget.LatencyCacheWarning) as caught:
-        assert budget.calibrate_latency(target, drafter) is not None
+    with pytest.warns(latency.LatencyCacheWarning) as caught:
+        assert measuring.calibrate_latency(target, drafter) is not None
     messages = [str(w.message) for w in caught]
     assert len(messages) == 1 and f"({lock}: " in messages[0], messages
 
@@ -401,12 +402,12 @@ def test_a_measurement_that_fails_its_check_twice_is_not_stored(latency_cache, m
         return table
 
     monkeypatch.setattr(latency, "measure_round_latency", measure)
-    with pytest.warns(budget.LatencyCacheWarning, match="not stored.*uses its default"):
-        assert budget.calibrate_latency(target, drafter) is None
-    assert len(calls) == 2 and not budget.has_latency(target, drafter)
+    with pytest.warns(latency.LatencyCacheWarning, match="not stored.*uses its default"):
+        assert measuring.calibrate_latency(target, drafter) is None
+    assert len(calls) == 2 and not latency.has_latency(target, drafter)
     (entry,) = json.loads(latency_cache.read_text()).values()
     assert set(entry) == {"untrusted", "at"}  # no table: a note of the untrusted attempt
-    budget.ensure_latency(target, drafter, quiet=True)
+    measuring.ensure_latency(target, drafter, quiet=True)
     assert len(calls) == 2  # one attempt per process: later calls do not measure again
 
 
@@ -418,17 +419,17 @@ def test_after_an_untrusted_measurement_new_processes_wait_before_measuring_agai
     loads = [1.5, 1.5, 0.0]  # busy twice (not stored), then quiet
     monkeypatch.setattr(latency, "measure_round_latency",
                         lambda *a, **k: calls.append(1) or steady_table(a[3], loads.pop(0)))
-    with pytest.warns(budget.LatencyCacheWarning, match="not stored"):
-        budget.ensure_latency(target, drafter, quiet=True)
+    with pytest.warns(latency.LatencyCacheWarning, match="not stored"):
+        measuring.ensure_latency(target, drafter, quiet=True)
     monkeypatch.setattr(latency, "_untrusted", set())  # a new process
-    budget.ensure_latency(target, drafter)
+    measuring.ensure_latency(target, drafter)
     assert len(calls) == 2 and "was not trusted" in capsys.readouterr().err  # said, not measured again
     assert budget.auto_budget(target, drafter, TreePolicy.from_config(drafter.config)) == \
         budget.fallback_budget(target, TreePolicy.from_config(drafter.config), drafter)
-    later = time.time() + budget.UNTRUSTED_RETRY_S + 1
-    monkeypatch.setattr(budget.time, "time", lambda: later)
-    budget.ensure_latency(target, drafter, quiet=True)  # an hour later: measured again, and trusted this time
-    assert len(calls) == 3 and budget.has_latency(target, drafter)
+    later = time.time() + latency.UNTRUSTED_RETRY_S + 1
+    monkeypatch.setattr(measuring.time, "time", lambda: later)
+    measuring.ensure_latency(target, drafter, quiet=True)  # an hour later: measured again, and trusted this time
+    assert len(calls) == 3 and latency.has_latency(target, drafter)
 
 
 def test_a_measurement_that_passes_on_the_second_try_is_stored(latency_cache, monkeypatch):
@@ -436,8 +437,8 @@ def test_a_measurement_that_passes_on_the_second_try_is_stored(latency_cache, mo
     drafter = make_drafter(target, tree_budget="auto")
     loads = [1.5, 0.05]
     monkeypatch.setattr(latency, "measure_round_latency", lambda *a, **k: steady_table(a[3], loads.pop(0)))
-    assert budget.calibrate_latency(target, drafter) is not None
-    assert not loads and budget.has_latency(target, drafter) and latency_cache.is_file()
+    assert measuring.calibrate_latency(target, drafter) is not None
+    assert not loads and latency.has_latency(target, drafter) and latency_cache.is_file()
 
 
 def test_calibration_beside_a_cpu_bound_process_stores_nothing(latency_cache):
@@ -447,12 +448,12 @@ def test_calibration_beside_a_cpu_bound_process_stores_nothing(latency_cache):
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         time.sleep(0.5)
-        with pytest.warns(budget.LatencyCacheWarning, match="CPU cores busy"):
-            assert budget.calibrate_latency(target, drafter) is None
+        with pytest.warns(latency.LatencyCacheWarning, match="CPU cores busy"):
+            assert measuring.calibrate_latency(target, drafter) is None
     finally:
         busy.kill()
         busy.wait()
-    assert not budget.has_latency(target, drafter)  # no table stored (a note of the attempt at most)
+    assert not latency.has_latency(target, drafter)  # no table stored (a note of the attempt at most)
     assert budget.auto_budget(target, drafter, TreePolicy.from_config(drafter.config)) == \
         budget.FALLBACK_BUDGET["cpu"]
 
@@ -467,7 +468,7 @@ def test_the_gate_stays_open_for_a_paying_drafter_without_a_cached_latency(laten
     if variant == "restricted vocabulary":
         drafter.restrict_vocabulary(list(range(4, 100)))
     policy = TreePolicy.from_config(drafter.config, vocab_size=drafter.draft_vocab_size)
-    assert not budget.has_latency(target, drafter, policy)
+    assert not latency.has_latency(target, drafter, policy)
     assert budget.gate_threshold(target, drafter, policy) == 0.0
     weak = make_drafter(target, tree_budget="auto", tree_lookup=4, acceptance_profile={"2": 1.1, "4": 1.2})
     n = budget.fallback_budget(target, policy, weak) if policy.auto else policy.budget
@@ -541,7 +542,7 @@ def test_calibrate_never_writes_a_profile_that_would_not_load(drafter_dir, monke
     target = make_target("llama")
     monkeypatch.setattr(cli, "_load_pair", lambda args: (target, None, TreeSparkDrafter.from_pretrained(drafter_dir)))
     monkeypatch.setattr(latency, "measure_round_latency", lambda *a, **k: steady_table(a[3]))
-    monkeypatch.setattr(budget, "calibrate_acceptance", lambda *a, **k: {"2": 0.0})  # as 0 prompts once gave
+    monkeypatch.setattr(measuring, "calibrate_acceptance", lambda *a, **k: {"2": 0.0})  # as 0 prompts once gave
     monkeypatch.setattr(cli, "_calibration_prompts", lambda args, tokenizer: [{"input_ids": torch.ones(1, 3)}])
     before = (drafter_dir / "config.json").read_text()
     assert cli.main(["calibrate", "--drafter", str(drafter_dir), "--budgets", "2"]) == 2
@@ -587,7 +588,7 @@ def test_the_batch_bench_measures_each_batch_size_it_prices_once(latency_cache, 
     measured = []
     monkeypatch.setattr(latency, "measure_round_latency",
                         lambda *a, **k: measured.append(k["batch"]) or steady_table(a[3]))
-    budget.ensure_batch_latency(target, drafter, [1, 2, 3, 4])
+    measuring.ensure_batch_latency(target, drafter, [1, 2, 3, 4])
     assert measured == [2, 4]  # 3 rows are priced by the 4-row measurement; one row is ensure_latency's
     assert "a round of 4 rows" in capsys.readouterr().err
     policy = TreePolicy.from_config(drafter.config)
@@ -595,5 +596,5 @@ def test_the_batch_bench_measures_each_batch_size_it_prices_once(latency_cache, 
     expected = steady_table(size_budgets)
     assert budget.BatchBudget(target, drafter, policy).round_cost(3) == {
         part: {n: expected[part][n] / expected["verify"][0] for n in size_budgets} for part in ("verify", "draft")}
-    budget.ensure_batch_latency(target, drafter, [2, 4, 8], quiet=True)
+    measuring.ensure_batch_latency(target, drafter, [2, 4, 8], quiet=True)
     assert measured == [2, 4, 8]  # cached sizes are not measured again

@@ -10,6 +10,8 @@ import torch
 from conftest import make_drafter, make_target
 
 import hf_treespark
+from hf_treespark.calibration import latency
+from hf_treespark.calibration import measure as measuring
 from hf_treespark.core.tree import TreePolicy
 from hf_treespark.decoding import budget
 from hf_treespark.decoding.engine import feature_indices
@@ -208,7 +210,7 @@ def test_auto_budget_never_measures_inside_generate(tmp_path, monkeypatch):
     assert torch.equal(out.sequences, ref)
     assert out.tree_budget == budget.FALLBACK_BUDGET["cpu"]
     assert len(calls) == 1 + len(out.rounds)
-    assert not (tmp_path / budget.LATENCY_FILE).exists()
+    assert not (tmp_path / latency.LATENCY_FILE).exists()
 
 
 @pytest.mark.parametrize("profile", [None, {"4": 1.3, "16": 1.6}])
@@ -220,8 +222,8 @@ def test_auto_budget_after_calibration_packs_the_first_pool_once(tmp_path, monke
               "draft": {n: 0.001 for n in budget.CANDIDATE_BUDGETS}, "others_load": 0.0}
     # this machine's load aside
     monkeypatch.setattr("hf_treespark.calibration.latency.measure_round_latency", lambda *a, **k: steady)
-    budget.calibrate_latency(target, drafter)
-    assert budget.has_latency(target, drafter)
+    measuring.calibrate_latency(target, drafter)
+    assert latency.has_latency(target, drafter)
     from hf_treespark.decoding import engine
 
     expansions = []

@@ -36,11 +36,6 @@ LAYERS = [
     # the command line: one function per subcommand, dispatching to all of the above
     {"cli"},
 ]
-# Upward imports still to be removed, each with the work that removes it; nothing else may be added here.
-PENDING_UPWARD = {
-    # the round controller receives a cost table instead of reading the latency cache (issue 61, item 3)
-    ("decoding.budget", "calibration.latency"),
-}
 
 
 def _modules() -> list[Path]:
@@ -113,10 +108,21 @@ def test_imports_only_run_downwards():
         mine = _layer(module)
         for imported in sorted(_imports(path)):
             theirs = _layer(imported)
-            if theirs > mine and (module, imported) not in PENDING_UPWARD:
+            if theirs > mine:
                 upward.append(f"hf_treespark/{module.replace('.', '/')}.py (layer {mine}) imports {imported} "
                               f"(layer {theirs})")
     assert not upward, "a lower layer imports a higher one:\n" + "\n".join(upward)
+
+
+def test_the_decoding_loop_imports_no_calibration_bench_cli_or_training():
+    """The loop receives its cost table (`budget.use_cost_table`, wired by `import hf_treespark`): measuring,
+    benchmarking, the command line and training all sit above it, and it reaches none of them."""
+    forbidden = {"calibration", "bench", "cli", "training"}
+    decoding = [path for path in _modules() if _name(path).split(".")[0] == "decoding"]
+    assert len(decoding) > 5, "the check should see the decoding subpackage"
+    found = [f"{_name(path)} imports {module}" for path in decoding for module in sorted(_imports(path))
+             if module.split(".")[0] in forbidden]
+    assert not found, found
 
 
 def test_the_structure_check_sees_an_upward_import(tmp_path, monkeypatch):

@@ -133,7 +133,7 @@ def batch_table(report: dict) -> str:
 def run_batches(args, target, tokenizer, drafters: dict, suites: list[str], budget) -> int:
     """`treespark bench --batch-size`: run `run_batch_benchmark` for the TreeSpark drafter, write `batch.json` and
     `batch.md` into `--output-dir`, print the table; 1 after an inexact batch (its results written first)."""
-    from ..decoding.budget import ensure_batch_latency, ensure_latency
+    from ..calibration.measure import ensure_batch_latency, ensure_latency
 
     sizes = list(args.batch_size)  # parsed and bounded by `help_format.batch_sizes`
     if "treespark" not in drafters:

@@ -109,7 +109,7 @@ def profile_table(profile: dict) -> str:
 def run_profile(args, target, tokenizer, drafters: dict, suites: list[str]) -> int:
     """`treespark bench --profile`: profile the TreeSpark drafter's rounds on `--num-prompts` prompts of each suite,
     write `profile.json` and `profile.md` into `--output-dir`, print the table."""
-    from ..decoding.budget import ensure_latency
+    from ..calibration.measure import ensure_latency
     from ..precision import dtype_name
 
     if "treespark" not in drafters:

@@ -332,7 +332,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
     if args.profile:
         return run_profile(args, target, tokenizer, drafters, suites)
-    from ..decoding.budget import ensure_latency
+    from ..calibration.measure import ensure_latency
 
     if args.batch_size:
         return run_batches(args, target, tokenizer, drafters, suites, budget)

@@ -49,10 +49,10 @@ from transformers import DynamicCache
 from ..core.cpu_gemm import model_is_packed
 from ..core.tree import TreePolicy, pack_tree
 from ..core.verify import cache_kwarg, grouped_attention, tree_attention_mask, tree_position_ids
+from ..decoding.budget import CANDIDATE_BUDGETS, candidate_budgets
 from ..decoding.engine import draft_pool, feature_indices
 from ..storage import acquire_lock, cache_dir, unwritable_reason
 
-CANDIDATE_BUDGETS = (2, 4, 8, 16, 32, 64)  # the tree budgets measured, and the ones "auto" chooses among
 LATENCY_FILE = "round_latency.json"
 LATENCY_REPEATS = 5  # timed passes over every budget; each time is the minimum over them
 SHAPE_TOLERANCE = 0.25  # a larger budget may time this much (relative) below a smaller one: noise
@@ -61,8 +61,6 @@ DRAFT_SPREAD = 4.0  # the drafter's pass may differ this much across budgets (it
 BUSY_CORES = 0.3  # other processes' CPU use during a CPU measurement, in cores, beyond which it is not stored
 ACCELERATOR_FREE_CORES = 2  # on an accelerator's host, cores other processes must leave free (`busy_cores_limit`)
 UNTRUSTED_RETRY_S = 3600  # after an untrusted measurement, later processes use the default this long
-BATCH_SIZES = (2, 4, 8, 16)  # the batch sizes calibration measures (`budget.BatchBudget`)
-BATCH_VERIFY_TOKENS = 320  # a batch's candidate budgets keep its verify forward at most this many tokens
 LOCK_WAIT_S = 30.0  # the longest wait for another process's lock on the cache before keeping a measurement in memory
 LOCK_NOTICE_S = 2.0  # a wait this long for that lock is said on stderr (a write takes milliseconds)
 
@@ -70,25 +68,6 @@ LOCK_NOTICE_S = 2.0  # a wait this long for that lock is said on stderr (a write
 def latency_path() -> Path:
     """The latency cache file: `<cache dir>/round_latency.json`, beside the converted default target."""
     return cache_dir() / LATENCY_FILE
-
-
-def candidate_budgets(policy: TreePolicy, budgets=CANDIDATE_BUDGETS) -> tuple[int, ...]:
-    """The budgets of `budgets` a tree of `policy` can fill (the policy's own budget when none fits)."""
-    pool = policy.budget if policy.auto else policy.with_budget(max(budgets)).num_candidates
-    return tuple(n for n in budgets if n <= pool) or (pool,)
-
-
-def batch_budgets(policy: TreePolicy, batch: int) -> tuple[int, ...]:
-    """The candidate budgets for `batch` rows: those whose verify forward holds at most `BATCH_VERIFY_TOKENS`
-    tokens (`batch x (N + 1)`), and the smallest always."""
-    budgets = candidate_budgets(policy)
-    return tuple(n for n in budgets if batch * (n + 1) <= BATCH_VERIFY_TOKENS) or budgets[:1]
-
-
-def measured_batch(batch: int) -> int:
-    """The batch size whose latency prices `batch` rows: the next measured size up (`BATCH_SIZES`), at most the
-    largest."""
-    return 1 if batch <= 1 else min((b for b in BATCH_SIZES if b >= batch), default=BATCH_SIZES[-1])
 
 
 def device_signature(device: torch.device) -> str:
@@ -499,3 +478,9 @@ def has_latency(target, drafter, policy: TreePolicy | None = None) -> bool:
     """Whether this device's round latency is cached (and trusted) for this target, drafter and policy."""
     policy = policy or TreePolicy.from_config(drafter.config)
     return round_latency(target, drafter, policy, candidate_budgets(policy), measure=False) is not None
+
+
+def cached_latency(target, drafter, policy: TreePolicy, budgets, batch: int = 1) -> dict | None:
+    """The cost table the round controller reads (`budget.use_cost_table`, wired by `import hf_treespark`): this
+    machine's cached and trusted latency for `budgets` at `batch` rows, or None. Never measures."""
+    return round_latency(target, drafter, policy, budgets, measure=False, batch=batch)

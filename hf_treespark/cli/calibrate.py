@@ -59,7 +59,9 @@ def write_config(config_path: Path, config: dict) -> None:
 
 def print_latency(latency, target, drafter, policy) -> None:
     """`treespark calibrate`'s report: the latency table and the budget "auto" takes from it."""
-    from ..decoding.budget import LATENCY_FILE, describe_latency, fallback_budget, profile_acceptance
+    from ..calibration.latency import LATENCY_FILE
+    from ..calibration.measure import describe_latency
+    from ..decoding.budget import fallback_budget, profile_acceptance
     from ..storage import cache_dir
 
     if latency is None:

@@ -30,8 +30,8 @@ def _load_pair(args):
 def cmd_generate(args) -> int:
     from transformers import TextStreamer
 
+    from ..calibration.measure import ensure_latency
     from ..core.exactness import check_greedy_equivalence
-    from ..decoding.budget import ensure_latency
     from ..hub import assets
     from ..precision import dtype_name
 
@@ -82,8 +82,8 @@ def cmd_calibrate(args) -> int:
     """Measure what a round costs on this machine (the latency cache) and, for a drafter directory, the
     drafter's acceptance length per tree budget, stored in its config. Inputs and the directory's
     writability are checked before anything is measured; a profile that would not load is never written."""
+    from ..calibration import measure
     from ..core.tree import TreePolicy
-    from ..decoding import budget
 
     budgets = parse_budgets(args.budgets)
     batch_sizes = [b for b in args.batch_sizes or () if b > 1]  # one row: the latency measured anyway
@@ -91,19 +91,19 @@ def cmd_calibrate(args) -> int:
                            if args.drafter else (None, None))
     target, tokenizer, drafter = _load_pair(args)
     policy = TreePolicy.from_config(drafter.config)
-    print_latency(budget.calibrate_latency(target, drafter, policy, refresh=args.force), target, drafter, policy)
+    print_latency(measure.calibrate_latency(target, drafter, policy, refresh=args.force), target, drafter, policy)
     for size in batch_sizes:
-        latency = budget.calibrate_latency(target, drafter, policy, refresh=args.force, batch=size)
+        latency = measure.calibrate_latency(target, drafter, policy, refresh=args.force, batch=size)
         print_batch_latency(size, latency, target, drafter, policy)
     if config_path is None or args.latency_only:
         return 0
     prompts = _calibration_prompts(args, tokenizer)
-    profile = budget.calibrate_acceptance(target, drafter, prompts, budgets, args.max_new_tokens)
+    profile = measure.calibrate_acceptance(target, drafter, prompts, budgets, args.max_new_tokens)
     config["acceptance_profile"] = profile
     if batch_sizes:  # batched rounds: at most N nodes, lookup and datastore branches among them
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         batch_budgets = [n for n in budgets if n <= 16]
-        config["batch_acceptance_profile"] = budget.calibrate_batch_acceptance(
+        config["batch_acceptance_profile"] = measure.calibrate_batch_acceptance(
             target, drafter, prompts, batch_budgets or budgets[:1], batch=min(batch_sizes),
             max_new_tokens=args.max_new_tokens, pad_token_id=pad)
         print(f"[calibrate] acceptance length per row and round in batches of {min(batch_sizes)}: "
@@ -113,7 +113,7 @@ def cmd_calibrate(args) -> int:
           f"written to {config_path}")
     drafter.config.acceptance_profile = profile
     if policy.auto:
-        print_latency(budget.calibrate_latency(target, drafter, policy), target, drafter, policy)
+        print_latency(measure.calibrate_latency(target, drafter, policy), target, drafter, policy)
     return 0
 
 

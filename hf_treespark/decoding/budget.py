@@ -5,9 +5,10 @@ A round commits `tau(N)` tokens on average (acceptance length at budget `N`) and
 
     tokens/s(N) = tau(N) / (t_draft(N) + t_verify(N)).
 
-The cost is this device's, measured once and cached (`latency.py`: `round_latency`, its trust rules and its
-cache file); `calibrate_latency` and `ensure_latency` are the entry points that measure it (`treespark calibrate`,
-or the first `treespark generate`). Decoding never measures: without a cached entry, "auto" uses
+The cost is this device's, measured once and cached by the calibration subpackage (`calibration/latency.py`, its
+trust rules and its cache file; `calibration/measure.py` measures it: `treespark calibrate`, or the first `treespark
+generate`) and handed to the controller as a cost table (`use_cost_table`, wired by `import hf_treespark`). Decoding
+never measures and never imports calibration: without a measured table, "auto" uses
 `fallback_budget` (for a calibrated drafter on a CPU, the budget its profile implies under
 `DEFAULT_CPU_ROUND_COST`; else a small tree on CPUs, a large one on accelerators).
 
@@ -25,42 +26,16 @@ A batch (`BatchBudget`) prices its rounds the same way, by its number of unfinis
 from __future__ import annotations
 
 import math
-import sys
-import time
 
 import torch
 
-# A round's cost is measured and cached in latency.py; the names imported `as` themselves stay importable from
-# here. Patch them in latency (`latency.measure_round_latency`): patching this module's copy changes nothing.
-from ..calibration.latency import BATCH_SIZES as BATCH_SIZES
-from ..calibration.latency import BATCH_VERIFY_TOKENS as BATCH_VERIFY_TOKENS
-from ..calibration.latency import BUSY_CORES as BUSY_CORES
-from ..calibration.latency import (
-    CANDIDATE_BUDGETS,
-    batch_budgets,
-    candidate_budgets,
-    has_latency,
-    latency_path,
-    measured_batch,
-    round_latency,
-    untrusted_in_process,
-    untrusted_recently,
-)
-from ..calibration.latency import DRAFT_SPREAD as DRAFT_SPREAD
-from ..calibration.latency import LATENCY_FILE as LATENCY_FILE
-from ..calibration.latency import LATENCY_REPEATS as LATENCY_REPEATS
-from ..calibration.latency import SHAPE_FLOOR_S as SHAPE_FLOOR_S
-from ..calibration.latency import SHAPE_TOLERANCE as SHAPE_TOLERANCE
-from ..calibration.latency import UNTRUSTED_RETRY_S as UNTRUSTED_RETRY_S
-from ..calibration.latency import LatencyCacheWarning as LatencyCacheWarning
-from ..calibration.latency import device_signature as device_signature
-from ..calibration.latency import latency_key as latency_key
-from ..calibration.latency import latency_problem as latency_problem
-from ..calibration.latency import measure_round_latency as measure_round_latency
 from ..core.tree import TreePolicy
 
 FALLBACK_BUDGET = {"cpu": 4, "accelerator": 32}  # "auto" before this device's latency was measured
 FALLBACK_GATE = {"cpu": 0.35, "accelerator": 0.1}  # the drafter gate's threshold, likewise
+CANDIDATE_BUDGETS = (2, 4, 8, 16, 32, 64)  # the tree budgets calibration measures, and the ones "auto" chooses among
+BATCH_SIZES = (2, 4, 8, 16)  # the batch sizes calibration measures (`BatchBudget`)
+BATCH_VERIFY_TOKENS = 320  # a batch's candidate budgets keep its verify forward at most this many tokens
 # A batch's tree must be predicted this much faster than plain steps (`BatchBudget`): the calibration prompts accept
 # more than some suites (measured at 8 rows: 1.52 tokens per row and round on MT-Bench against the profile's 1.80,
 # 0.91x plain where 1.05x was predicted).
@@ -99,80 +74,45 @@ DEFAULT_CPU_BATCH_ROUND_COST = {
 }
 
 
+# ----- the cost table: what this machine measured, handed to the controller -----------------------------------------
+_COST_TABLE = None  # (target, drafter, policy, budgets, batch) -> latency table or None; set by `use_cost_table`
+
+
+def use_cost_table(read) -> None:
+    """Give the controller this machine's round costs: `read(target, drafter, policy, budgets, batch=1)` returns
+    the measured latency table (`{"verify": {N: s}, "draft": {N: s}}`, `verify[0]` a plain step) or None.
+    `import hf_treespark` passes `calibration.latency.cached_latency`, so decoding never imports calibration;
+    None (or never called) leaves "auto" on the default table (`fallback_budget`, `default_batch_cost`)."""
+    global _COST_TABLE
+    _COST_TABLE = read
+
+
+def measured_latency(target, drafter, policy: TreePolicy, budgets, batch: int = 1) -> dict | None:
+    """This machine's round costs for `budgets` at `batch` rows from the cost table (`use_cost_table`), or None."""
+    return None if _COST_TABLE is None else _COST_TABLE(target, drafter, policy, budgets, batch=batch)
+
+
+def candidate_budgets(policy: TreePolicy, budgets=CANDIDATE_BUDGETS) -> tuple[int, ...]:
+    """The budgets of `budgets` a tree of `policy` can fill (the policy's own budget when none fits)."""
+    pool = policy.budget if policy.auto else policy.with_budget(max(budgets)).num_candidates
+    return tuple(n for n in budgets if n <= pool) or (pool,)
+
+
+def batch_budgets(policy: TreePolicy, batch: int) -> tuple[int, ...]:
+    """The candidate budgets for `batch` rows: those whose verify forward holds at most `BATCH_VERIFY_TOKENS`
+    tokens (`batch x (N + 1)`), and the smallest always."""
+    budgets = candidate_budgets(policy)
+    return tuple(n for n in budgets if batch * (n + 1) <= BATCH_VERIFY_TOKENS) or budgets[:1]
+
+
+def measured_batch(batch: int) -> int:
+    """The batch size whose latency prices `batch` rows: the next measured size up (`BATCH_SIZES`), at most the
+    largest."""
+    return 1 if batch <= 1 else min((b for b in BATCH_SIZES if b >= batch), default=BATCH_SIZES[-1])
+
+
 def is_auto(budget) -> bool:
     return isinstance(budget, str) and budget == "auto"
-
-
-def calibrate_latency(target, drafter, policy: TreePolicy | None = None, refresh: bool = False,
-                      batch: int = 1) -> dict | None:
-    """Measure (once; cached) what a round costs on this device for every candidate budget, for `batch` rows at
-    once; None when the measurement could not be trusted (see `latency.round_latency`)."""
-    policy = policy or TreePolicy.from_config(drafter.config)
-    return round_latency(target, drafter, policy, batch_budgets(policy, batch), refresh=refresh, batch=batch,
-                         fallback=fallback_budget(target, policy, drafter))
-
-
-def ensure_latency(target, drafter, quiet: bool = False) -> None:
-    """First use on a machine (the CLI, the benchmark, the demo): measure what a round costs here, once, so
-    that `tree_budget="auto"` and the drafter gate decide from this device's numbers. Prints what it does
-    unless `quiet`. Measures at most once per process, whatever comes of it."""
-    policy = TreePolicy.from_config(drafter.config)
-    if not (policy.auto or policy.lookup) or has_latency(target, drafter, policy):
-        return
-    if untrusted_in_process(target, drafter, policy):
-        return  # measured in this process already, and not trusted: "auto" keeps its default
-    recent = untrusted_recently(target, drafter, policy)
-    if recent is not None:
-        if not quiet:
-            print(f"[treespark] this machine's round latency, measured {recent[1] / 60:.0f} min ago, was not trusted "
-                  f"({recent[0]}): tree_budget='auto' uses its default ({fallback_budget(target, policy, drafter)}) "
-                  "for now; `treespark calibrate --force` measures again", file=sys.stderr, flush=True)
-        return
-    if not quiet:
-        print("[treespark] first use on this machine: measuring what a round costs for each tree budget "
-              f"(once; cached in {latency_path()})...", file=sys.stderr, flush=True)
-    start = time.perf_counter()
-    calibrate_latency(target, drafter, policy)
-    if not quiet:
-        print(f"[treespark] measured in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
-
-
-def ensure_batch_latency(target, drafter, sizes, quiet: bool = False) -> None:
-    """`ensure_latency` for batches (`treespark bench --batch-size`): the round costs of each measured batch size
-    that prices `sizes` rows (`measured_batch`), measured once where this machine has none, so that the batched
-    "auto" and the batch's drafter gate decide from this device's numbers, not `DEFAULT_CPU_BATCH_ROUND_COST`
-    (measured on another CPU, in float32). About ten seconds per size on a 2-core CPU. An untrusted measurement
-    is handled as `round_latency` handles it (the default stays; not measured again for a while)."""
-    policy = TreePolicy.from_config(drafter.config)
-    if not (policy.auto or policy.lookup):
-        return
-    for size in sorted({measured_batch(b) for b in sizes if b > 1}):
-        budgets = batch_budgets(policy, size)
-        if round_latency(target, drafter, policy, budgets, measure=False, batch=size) is not None:
-            continue
-        if untrusted_in_process(target, drafter, policy, size) or untrusted_recently(target, drafter, policy, size):
-            continue
-        if not quiet:
-            print(f"[treespark] measuring what a round of {size} rows costs on this machine, for each tree budget "
-                  f"(once; cached in {latency_path()})...", file=sys.stderr, flush=True)
-        round_latency(target, drafter, policy, budgets, batch=size, fallback=fallback_budget(target, policy, drafter))
-
-
-def describe_latency(latency: dict, acceptance: dict[int, float] | None = None) -> str:
-    """The latency table as text: per budget the verify and draft milliseconds, the round in plain steps and,
-    given the acceptance per budget, the expected tokens per second (the best one marked)."""
-    step = latency["verify"][0]
-    rate = choose_budget(acceptance, latency)[1] if acceptance else {}
-    best = max(rate, key=lambda n: (rate[n], -n)) if rate else None
-    lines = [f"plain step {step * 1e3:.1f} ms",
-             "budget  verify ms  draft ms  round/plain step" + ("  acceptance  tokens/s" if rate else "")]
-    for n in sorted(latency["draft"]):
-        row = (f"{n:>6}  {latency['verify'][n] * 1e3:>9.1f}  {latency['draft'][n] * 1e3:>8.1f}  "
-               f"{(latency['verify'][n] + latency['draft'][n]) / step:>16.2f}")
-        if n in rate:
-            row += f"  {acceptance[n]:>10.2f}  {rate[n]:>8.1f}" + ("  <- auto" if n == best else "")
-        lines.append(row)
-    return "\n".join(lines)
 
 
 def default_round_cost(target, budgets) -> dict[int, float] | None:
@@ -279,7 +219,7 @@ class BatchBudget:
     def _round_cost(self, batch: int) -> dict[str, dict[int, float]] | None:
         size = measured_batch(batch)
         budgets = batch_budgets(self.policy, size)
-        latency = round_latency(self.target, self.drafter, self.policy, budgets, measure=False, batch=size)
+        latency = measured_latency(self.target, self.drafter, self.policy, budgets, batch=size)
         if latency is not None:
             step = latency["verify"][0]
             return {part: {n: latency[part][n] / step for n in budgets} for part in ("verify", "draft")}
@@ -330,7 +270,7 @@ def gate_threshold(target, drafter, policy: TreePolicy) -> float:
     `FALLBACK_GATE`. Either way 0 (the gate stays open) when the drafter's calibrated acceptance profile gets
     at least that many drafted tokens accepted at that budget. Never measures."""
     budgets = candidate_budgets(policy)
-    latency = round_latency(target, drafter, policy, budgets, measure=False)
+    latency = measured_latency(target, drafter, policy, budgets)
     if latency is None:
         device = next(target.parameters()).device
         n = fallback_budget(target, policy, drafter) if policy.auto else policy.budget
@@ -391,7 +331,7 @@ def auto_budget(target, drafter, policy: TreePolicy, first_tree_scores: torch.Te
     profile, or else the candidate pool's scores `first_tree_scores`; None when it needs those scores.
     """
     budgets = candidate_budgets(policy, budgets)
-    latency = round_latency(target, drafter, policy, budgets, measure=False)
+    latency = measured_latency(target, drafter, policy, budgets)
     if latency is None:
         return fallback_budget(target, policy, drafter)
     profile = getattr(drafter.config, "acceptance_profile", None)
@@ -403,56 +343,3 @@ def auto_budget(target, drafter, policy: TreePolicy, first_tree_scores: torch.Te
         return None
     best, _ = choose_budget(acceptance, latency)
     return best
-
-
-def calibrate_acceptance(target, drafter, prompts: list[dict], budgets=CANDIDATE_BUDGETS,
-                         max_new_tokens: int = 64, progress: bool = True) -> dict[str, float]:
-    """Measure the drafter's mean acceptance length at each budget (greedy) on `prompts`.
-
-    `prompts`: tokenised inputs (`input_ids`, `attention_mask`). The result is what
-    `config.acceptance_profile` holds: `{"N": tau}`. Lookup branches are off here (`tree_lookup=0`): `tau(N)`
-    prices a drafter round of budget `N`, and with lookup on, lookup-only rounds and the drafter gate (whose
-    threshold depends on `N`) would mix rounds of other costs into it (measured: not even monotone in `N`). So is the
-    per-call guard (`tree_guard=False`): its probes are plain steps, and at a budget whose rounds are slow on this
-    machine it hands the call to plain decoding, so `tau(N)` would fall with `N` for the cost of `N`, which the budget
-    choice already prices (measured 2026-12-04 with the guard on: 2.29 at N = 16, 1.94 at 32, 1.70 at 64).
-    """
-    from tqdm.auto import tqdm
-
-    profile = {}
-    for n in tqdm(budgets, desc="calibrating acceptance", disable=not progress):
-        committed = rounds = 0
-        for inputs in prompts:
-            out = target.generate(**inputs, assistant_model=drafter, max_new_tokens=max_new_tokens,
-                                  do_sample=False, tree_budget=n, tree_lookup=0, tree_guard=False,
-                                  return_dict_in_generate=True)
-            committed += sum(r.acceptance_length for r in out.rounds)
-            rounds += len(out.rounds)
-        profile[str(n)] = committed / max(1, rounds)
-    return profile
-
-
-def calibrate_batch_acceptance(target, drafter, prompts: list[dict], budgets=(2, 4, 8), batch: int = 4,
-                               max_new_tokens: int = 64, pad_token_id: int = 0,
-                               progress: bool = True) -> dict[str, float]:
-    """The drafter's mean acceptance length per row and round at each budget in batched decoding (greedy, `batch`
-    rows, the package's defaults: lookup and datastore branches within the `N` nodes, the batch's drafter gate):
-    what `config.batch_acceptance_profile` holds, `{"N": tau}`. `prompts`: tokenised inputs (`input_ids` `[1, T]`),
-    left-padded here into batches of `batch`."""
-    from tqdm.auto import tqdm
-
-    from .session import left_padded
-
-    batches = [left_padded([p["input_ids"][0] for p in prompts[start:start + batch]], pad_token_id)
-               for start in range(0, len(prompts), batch)]
-    profile = {}
-    for n in tqdm(budgets, desc="calibrating batched acceptance", disable=not progress):
-        committed = rounds = 0
-        for inputs in batches:
-            out = target.generate(**inputs, assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=False,
-                                  tree_budget=n, pad_token_id=pad_token_id, return_dict_in_generate=True)
-            per_row = out.rounds if inputs["input_ids"].shape[0] > 1 else [out.rounds]
-            committed += sum(r.acceptance_length for row in per_row for r in row)
-            rounds += sum(len(row) for row in per_row)
-        profile[str(n)] = committed / max(1, rounds)
-    return profile

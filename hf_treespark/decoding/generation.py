@@ -109,7 +109,7 @@ def treespark_decoding(
     `tree_guard` (batch size 1, on by default): a call whose rounds commit tokens more slowly than plain steps, judged
     twice in a row against root-only probe rounds, goes on in transformers' own loop (`call_guard.py`; not with
     scores, logits or padding); False drafts to the end. One target forward per round: no latency is measured
-    here (`tree_budget="auto"` reads the latency that `hf_treespark.decoding.budget.calibrate_latency` stored, or falls
+    here (`tree_budget="auto"` reads the latency `hf_treespark.calibration.measure.calibrate_latency` stored, or falls
     back to a default budget).
     """
     drafter = treespark_drafter

@@ -320,7 +320,8 @@ def initial_budget(target, drafter) -> tuple[int, str]:
     policy = TreePolicy.from_config(drafter.config)
     if not policy.auto:
         return policy.budget, label
-    from ..decoding.budget import auto_budget, has_latency
+    from ..calibration.latency import has_latency
+    from ..decoding.budget import auto_budget
 
     chosen = auto_budget(target, drafter, policy)
     if chosen is None:  # no acceptance profile: the first round would decide; start from the policy default

@@ -22,8 +22,8 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
+from ..calibration.measure import ensure_latency
 from ..core.exactness import check_greedy_equivalence
-from ..decoding.budget import ensure_latency
 from ..decoding.generation import TreeSparkGenerateOutput
 from ..hub import assets
 from ..hub.loading import load_pair

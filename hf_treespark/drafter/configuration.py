@@ -38,10 +38,10 @@ class TreeSparkConfig(PretrainedConfig):
             chosen per device from measured verify latency and `acceptance_profile`
             (`hf_treespark.decoding.budget`).
         acceptance_profile: measured mean acceptance length per budget, `{"N": tau}`
-            (`hf_treespark.decoding.budget.calibrate_acceptance`), or None.
+            (`hf_treespark.calibration.measure.calibrate_acceptance`), or None.
         batch_acceptance_profile: the same for batched decoding, whose rows verify at most `N` nodes with the
             lookup and datastore branches competing for them
-            (`hf_treespark.decoding.budget.calibrate_batch_acceptance`),
+            (`hf_treespark.calibration.measure.calibrate_batch_acceptance`),
             or None (`acceptance_profile` then prices batches too).
         tree_lookup: tokens per lookup branch grafted into each round's tree (continuations of the
             text's suffix found earlier in the prompt or output; `hf_treespark.sources.lookup`); 0 = off.

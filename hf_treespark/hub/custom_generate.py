@@ -17,7 +17,11 @@ clear error.
 
 from __future__ import annotations
 
+from ..calibration.latency import cached_latency
+from ..decoding.budget import use_cost_table
 from ..decoding.integration import is_treespark_drafter, treespark_generate
+
+use_cost_table(cached_latency)  # as `import hf_treespark` does: "auto" reads this machine's round costs
 
 
 def generate(model, assistant_model=None, inputs=None, streamer=None, **kwargs):
