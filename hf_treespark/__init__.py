@@ -1,8 +1,12 @@
 """hf_treespark: TreeSpark tree speculative decoding for Hugging Face transformers.
 
 `import hf_treespark` registers the drafter with `AutoConfig`/`AutoModel` and routes
-`target.generate(..., assistant_model=drafter)` to tree decoding.
+`target.generate(..., assistant_model=drafter)` to tree decoding (`install()`): every other `generate` call takes
+transformers' own path. `HF_TREESPARK_NO_PATCH=1` in the environment skips the routing at import, and `uninstall()`
+undoes it; `generate(target, drafter, ...)` and `custom_generate=<drafter directory>` decode without it.
 """
+
+import os
 
 import torch
 from transformers import AutoConfig, AutoModel
@@ -12,6 +16,7 @@ from .core.cpu_gemm import pack_linear_layers, unpack_linear_layers
 from .core.tree import DraftTree, TreePolicy, build_tree
 from .decoding import budget, integration
 from .decoding.generation import RoundRecord, TreeSparkCandidateGenerator, TreeSparkGenerateOutput
+from .decoding.integration import install, uninstall
 from .drafter import modeling_io
 from .drafter.configuration import TreeSparkConfig
 from .drafter.modeling import TreeSparkDrafter
@@ -22,7 +27,8 @@ AutoConfig.register("treespark", TreeSparkConfig, exist_ok=True)
 AutoModel.register(TreeSparkConfig, TreeSparkDrafter, exist_ok=True)
 TreeSparkConfig.register_for_auto_class()
 TreeSparkDrafter.register_for_auto_class("AutoModel")
-integration.install()
+if os.environ.get("HF_TREESPARK_NO_PATCH", "").strip().lower() in ("", "0", "false", "no", "off"):
+    install()
 modeling_io.use_sharing(_card)  # saves and pushes write the model card and custom_generate/
 budget.use_cost_table(cached_latency)  # "auto" reads this machine's measured round costs
 
@@ -66,8 +72,10 @@ __all__ = [
     "TreeSparkGenerateOutput",
     "build_tree",
     "generate",
+    "install",
     "load_default_drafter",
     "load_default_target",
     "pack_linear_layers",
+    "uninstall",
     "unpack_linear_layers",
 ]

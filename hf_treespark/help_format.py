@@ -1,6 +1,7 @@
-"""What the `treespark` commands share: `--help` with every default, one-line errors, and the choices of
-options several commands take. It imports no torch: the command line is parsed before anything heavy
-is imported (`treespark --help` answers at once)."""
+"""What the `treespark` commands share: `--help` with every default, one-line errors, and the options several
+commands take (`--device`, `--dtype`, `--cpu-pack`, batch sizes) with their checks. It imports no torch at module
+level: the command line is parsed before anything heavy is imported (`treespark --help` answers at once);
+`resolve_device` imports it when a command runs."""
 
 from __future__ import annotations
 
@@ -8,8 +9,16 @@ import argparse
 import copy
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: this module imports no torch
+    import torch
 
 DTYPE_CHOICES = ("auto", "fp32", "bf16", "fp16")  # `--dtype`: "auto" and `precision.DTYPES`
+DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # torch's names, taken as the short ones
+DTYPE_HELP = "precision of the models; auto: bf16 where the device computes it natively, else fp32"
+DEVICE_KINDS = ("cpu", "cuda", "mps")
+DEVICE_HELP = "where the models run: cpu, cuda, cuda:N or mps; auto: cuda when this machine has a CUDA GPU, else cpu"
 CPU_PACK_CHOICES = ("auto", "on", "off")
 CPU_PACK_HELP = ("linear layers through prepacked oneDNN kernels (cheaper multi-token verify forwards on a CPU); "
                  "auto: on for a CPU with oneDNN")
@@ -59,6 +68,52 @@ def refuse_empty_values(parser: argparse.ArgumentParser, args: argparse.Namespac
                                                             else ", or leave the option out for its default"))
 
 
+def add_device_option(parser: argparse.ArgumentParser, help: str = DEVICE_HELP) -> None:
+    """`--device DEVICE` (default auto), checked when the command runs (`resolve_device`), not at parsing: parsing
+    imports no torch."""
+    parser.add_argument("--device", default="auto", metavar="DEVICE", help=help)
+
+
+def add_dtype_option(parser: argparse.ArgumentParser, help: str = DTYPE_HELP) -> None:
+    """`--dtype auto|fp32|bf16|fp16` (default auto); torch's names (`bfloat16`, ...) are taken as the short ones."""
+    parser.add_argument("--dtype", type=_dtype_name, choices=DTYPE_CHOICES, default="auto", help=help)
+
+
+def _dtype_name(text: str) -> str:
+    return DTYPE_ALIASES.get(text, text)
+
+
+def resolve_device(text: str, option: str = "--device", kinds: tuple[str, ...] = DEVICE_KINDS) -> torch.device:
+    """The `torch.device` that `--device text` names on this machine: "auto" is cuda when `torch.cuda.is_available()`,
+    else cpu; cpu, cuda, cuda:N and mps must be present here. Raises `ValueError` in one line naming the option, the
+    device and what this machine has (e.g. "--device cuda: this machine has no CUDA GPU; use --device cpu")."""
+    import torch
+
+    text = str(text).strip()
+    if text == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in kinds:
+        others = "".join(f", {kind}" for kind in kinds if kind not in ("cpu", "cuda"))
+        what = "is not a device" if device is None else f"is not a device this command runs on ({device.type})"
+        raise ValueError(f"{option} {text!r} {what}: use cpu, cuda or cuda:N{others}, or auto (cuda when this "
+                         "machine has a CUDA GPU, else cpu)")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            build = "" if torch.version.cuda or torch.version.hip else f" (torch {torch.__version__}: a CPU-only build)"
+            raise ValueError(f"{option} {text}: this machine has no CUDA GPU{build}; use {option} cpu")
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"{option} {text}: this machine has {count} CUDA GPU{'s' * (count != 1)}; use "
+                             f"{option} cuda:0" + (f"..cuda:{count - 1}" if count > 1 else "") + f" or {option} cpu")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"{option} {text}: this machine has no MPS device (an Apple GPU); use {option} cpu")
+    return device
+
+
 def cpu_pack_option(value: str) -> bool | str:
     """The command-line `--cpu-pack auto|on|off` as `cpu_gemm.should_pack` takes it."""
     return {"auto": "auto", "on": True, "off": False}[value]
@@ -85,10 +140,14 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.Raw
 
 def run_script(parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace], int],
                argv: list[str] | None = None) -> int:
-    """Parse `argv`, call `run(args)`, and turn bad input into one `prog: error: ...` line (exit status 2)."""
+    """Parse `argv`, call `run(args)`, and turn bad input into one `prog: error: ...` line (exit status 2), and Ctrl-C
+    into `prog: interrupted` (status 130, the shell's for SIGINT), without a traceback."""
     args = parser.parse_args(argv)
     try:
         return run(args)
     except (OSError, ValueError, RuntimeError) as err:
         print(f"{parser.prog}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"\n{parser.prog}: interrupted", file=sys.stderr)
+        return 130

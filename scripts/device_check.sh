@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The device check: on any machine with a CUDA GPU, before publishing numbers from it or after changing the round
 # code, one command (under 8 minutes) that checks TreeSpark there: the core exactness tests on the GPU (float32
-# strictly, bfloat16/float16 by the near-tie rule), a 5-prompt bench per suite and its round profile, and a training
-# smoke run. Each step's log goes to OUTPUT_DIR/<step>.log; a summary table (step, seconds, result) is printed at the
-# end and written to OUTPUT_DIR/summary.md. The exit status is 0 only when every step that ran passed.
+# strictly, bfloat16/float16 by the near-tie rule), a 5-prompt bench per suite and its round profile on the GPU
+# (--device cuda), and a training smoke run. Each step's log goes to OUTPUT_DIR/<step>.log; a summary table (step,
+# seconds, result) is printed at the end and written to OUTPUT_DIR/summary.md; exit status 0 when every step passed.
 # What each step checks and when to run it: docs/devices.md.
 #
 #   bash scripts/device_check.sh                      # the checks (needs CUDA); output in device_check/
@@ -51,8 +51,9 @@ TRAIN_DATA=training_data/sharegpt_turns_smollm2_regen.jsonl.gz
 # --- what it runs: name, time limit (seconds), command ---------------------------------------------------------------
 FP32_TESTS=(-m pytest -q -p no:cacheprovider "$TESTS" -k fp32)
 HALF_TESTS=(-m pytest -q -p no:cacheprovider "$TESTS" -k "bf16 or fp16")
-BENCH=(bench --num-prompts 5 --methods plain,prompt_lookup,treespark,treespark_datastore --output-dir "$OUT/bench")
-PROFILE=(bench --profile --num-prompts 5 --max-new-tokens 64 --output-dir "$OUT/profile")
+BENCH=(bench --device cuda --num-prompts 5 --methods plain,prompt_lookup,treespark,treespark_datastore
+       --output-dir "$OUT/bench")
+PROFILE=(bench --device cuda --profile --num-prompts 5 --max-new-tokens 64 --output-dir "$OUT/profile")
 TRAIN=("$TRAIN_SCRIPT" --target default --data "$TRAIN_DATA" --max-sequences 8 --max-length 256 --batch-size 2
        --anchors 16 --max-steps 3 --save-every 2 --no-feature-cache --output-dir "$OUT/train_smoke")
 STEPS=(exactness-fp32 exactness-half bench bench-profile train-smoke)
@@ -99,9 +100,8 @@ def parser(prog, add):
 
 
 bench_parser = parser("treespark bench", bench.add_arguments)
-has_device = "--device" in bench_parser._option_string_actions
 for argv in (bench_args, profile_args):
-    args = bench_parser.parse_args(argv[1:] + (["--device", "cuda"] if has_device else []))
+    args = bench_parser.parse_args(argv[1:])
     unknown = [m for m in (args.methods or "").split(",") if m and m not in bench.METHODS]
     if unknown:
         sys.exit(f"treespark bench: unknown method(s) {unknown}")
@@ -129,19 +129,10 @@ cuda = torch.cuda.is_available()
 print(f"cuda={int(cuda)}")
 print(f"gpu={torch.cuda.get_device_name(0) if cuda else 'none'}")
 print(f"torch=torch {torch.__version__}, " + (f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA build"))
-print(f"bench_device={int(has_device)}")
 print(f"tests={counts[0]} fp32, {counts[1]} half precision")
 EOF
 ) || refuse "a command it would run does not parse or finds no test (see above)" 1
 value() { printf '%s\n' "$PREFLIGHT" | sed -n "s/^$1=//p"; }
-
-BENCH_NOTE=""
-if [ "$(value bench_device)" = 1 ]; then
-  BENCH+=(--device cuda)
-  PROFILE+=(--device cuda)
-else  # it would time this machine's CPU, not its GPU: skipped rather than reported as the GPU's numbers
-  BENCH_NOTE="skipped: treespark bench has no --device option, so it would measure the CPU"
-fi
 
 words() {  # a command line a shell reads back as these words (quoted only where needed)
   local word line=""
@@ -161,15 +152,9 @@ command_of() {  # the command line of a step, as it runs
   esac
 }
 
-skip_reason() {
-  case "$1" in bench|bench-profile) echo "$BENCH_NOTE" ;; esac
-}
-
 echo "device_check: $(value torch); GPU: $(value gpu); $(value tests) exactness tests; output in $OUT/"
 for step in "${STEPS[@]}"; do
   printf '  %-15s (limit %3s s) %s\n' "$step" "${LIMIT[$step]}" "$(command_of "$step")"
-  reason=$(skip_reason "$step")
-  [ -z "$reason" ] || printf '  %-15s %s\n' "" "$reason"
 done
 
 if [ "$DRY_RUN" = 1 ]; then
@@ -187,12 +172,6 @@ rm -rf "$OUT/train_smoke"  # a run left there would resume and train nothing
 declare -A SECONDS_OF RESULT_OF
 failed=0
 for step in "${STEPS[@]}"; do
-  reason=$(skip_reason "$step")
-  if [ -n "$reason" ]; then
-    SECONDS_OF[$step]=0
-    RESULT_OF[$step]="skip (${reason#skipped: })"
-    continue
-  fi
   echo "== $step: $(command_of "$step")"
   start=$(date +%s.%N)
   case "$step" in

@@ -34,9 +34,13 @@ def test_the_dry_run_checks_and_lists_every_step_and_writes_nothing(tmp_path):
     listed = [line.split()[0] for line in done.stdout.splitlines() if line.startswith("  ") and line.split()]
     assert [step for step in listed if step in STEPS] == list(STEPS)
     for command in ("TREESPARK_TEST_DEVICE=cuda", "tests/test_device_exactness.py -k fp32", r"-k bf16\ or\ fp16",
-                    "treespark bench --num-prompts 5", "treespark bench --profile --num-prompts 5",
+                    "treespark bench --device cuda --num-prompts 5", "treespark bench --device cuda --profile",
                     "examples/train_drafter.py --target default", f"--output-dir {out}/train_smoke"):
         assert command in done.stdout, command
+    # every step runnable: none is listed as skipped, and both bench steps time the GPU
+    assert "skip" not in done.stdout.lower()
+    benches = [line for line in done.stdout.splitlines() if line.split()[:1] in (["bench"], ["bench-profile"])]
+    assert len(benches) == 2 and all("--device cuda" in line for line in benches), benches
     assert "fp32, 2 half precision exactness tests" in done.stdout  # pytest found the tests each step selects
     assert done.stdout.strip().splitlines()[-1].endswith("nothing run")
     assert not out.exists()

@@ -17,7 +17,7 @@ from test_hub import REMOTE_CODE_SCRIPT, V, draft_outputs, tiny_drafter, tiny_ta
 
 from hf_treespark import TreeSparkDrafter
 from hf_treespark.drafter.draft_vocab import count_token_ids, coverage, rank_token_ids
-from hf_treespark.hub.sharing import DSparkConversionError, export_dspark_checkpoint, save_drafter
+from hf_treespark.hub.sharing import save_drafter
 
 DRAFT_IDS = list(range(70, 4, -1))[:48]  # 48 of the 128 ids, most useful first
 
@@ -149,13 +149,6 @@ def test_remote_code_loads_a_restricted_drafter_without_the_package(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = torch.load(tmp_path / "out.pt")
     assert got["depth_logits"].shape[-1] == 50 and torch.equal(got["depth_logits"], want)
-
-
-def test_dspark_export_refuses_a_restricted_drafter(tmp_path):
-    target = tiny_target()
-    drafter = tiny_drafter(target).restrict_vocabulary(list(range(60, 10, -1)))
-    with pytest.raises(DSparkConversionError, match="draft vocabulary of 50 ids"):
-        export_dspark_checkpoint(drafter, target, tmp_path)
 
 
 def test_ranking_counts_ids_and_texts_and_names_bad_lines(tmp_path):

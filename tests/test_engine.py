@@ -83,7 +83,8 @@ def test_decoding_modules_import_nothing_but_torch_transformers_and_each_other()
     """What `generate` runs can ship as remote code: no assets, CLI, benchmark or demo behind it."""
     graph = import_graph()
     allowed = {f"hf_treespark.{name}" for name in ("core.tree", "core.verify", "decoding.engine", "sources.lookup",
-                                                   "sources.datastore", "drafter.configuration", "drafter.modeling")}
+                                                   "sources.datastore", "sources.base", "drafter.configuration",
+                                                   "drafter.modeling")}
     for module in (f"hf_treespark.{name}" for name in ("core.tree", "core.verify", "decoding.engine", "sources.lookup",
                                                        "sources.datastore")):
         assert graph[module] <= allowed, (module, graph[module] - allowed)

@@ -278,8 +278,8 @@ def test_push_drafter_to_hub_uploads_weights_code_and_card(tmp_path, monkeypatch
 def test_model_card_without_table_says_so_and_shows_usage(drafter):
     card = model_card(drafter)
     meta = front_matter(card)
-    assert meta["library_name"] == "hf_treespark"
-    assert meta["tags"] == ["treespark", "speculative-decoding", "drafter"]
+    assert meta["library_name"] == "transformers"
+    assert meta["tags"] == ["hf_treespark", "treespark", "speculative-decoding", "drafter"]
     assert meta["base_model"] == TARGET_NAME
     assert "No acceptance table was recorded" in card
     assert "import hf_treespark" in card
@@ -685,11 +685,11 @@ def test_an_error_other_than_a_full_disk_while_saving_is_left_as_it_is(tmp_path,
 
 
 @pytest.mark.parametrize("recorded", ["SmolLM2-135M-Instruct", "/root/.cache/hf_treespark/smollm2-135m-instruct"])
-def test_model_card_names_the_default_target_by_its_hub_id_with_license_and_pipeline_tag(target, recorded):
+def test_model_card_names_the_default_target_by_its_hub_id_with_license_and_no_pipeline_tag(target, recorded):
     card = model_card(tiny_drafter(target, target_name_or_path=recorded), repo_id="me/drafter")
     meta = front_matter(card)
     assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
-    assert meta["license"] == "apache-2.0" and meta["pipeline_tag"] == "text-generation"
+    assert meta["license"] == "apache-2.0" and "pipeline_tag" not in meta  # a drafter cannot generate alone
     assert 'AutoModelForCausalLM.from_pretrained("HuggingFaceTB/SmolLM2-135M-Instruct")' in card
     assert '"SmolLM2-135M-Instruct"' not in card  # never the bare local name where a Hub id belongs
 

@@ -199,3 +199,82 @@ def test_a_custom_generate_hub_repo_id_or_existing_directory_goes_to_transformer
     for custom in ("org/name", "name", str(tmp_path / "recipe")):
         assert target.generate(torch.tensor([[1]]), custom_generate=custom, trust_remote_code=True) == "transformers"
         assert calls.pop() == {"custom_generate": custom, "trust_remote_code": True}
+
+
+# ----- turning the routing off: hf_treespark.uninstall() and HF_TREESPARK_NO_PATCH ---------------------------------
+
+@pytest.fixture
+def routed_again():
+    """Whatever a test does to the routing, the next test finds it installed, as `import hf_treespark` left it."""
+    yield
+    integration.install()
+
+
+def _transformers_own() -> dict:
+    from transformers import GenerationMixin
+    from transformers.pipelines import base
+
+    return {"generate": GenerationMixin.generate, "candidates": GenerationMixin._get_candidate_generator,
+            "pipeline loader": base.load_assistant_model}
+
+
+def test_uninstall_puts_transformers_own_functions_back_and_install_routes_again(llama_pair, routed_again):
+    import hf_treespark
+    from hf_treespark.drafter.modeling import NEEDS_PACKAGE
+
+    target, drafter = llama_pair
+    ids = torch.tensor([[1, 5, 9, 17]])
+    routed = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=12)
+    plain = target.generate(ids, do_sample=False, max_new_tokens=12)
+    assert torch.equal(routed, plain)  # float32: exact
+    hf_treespark.uninstall()
+    hf_treespark.uninstall()  # idempotent
+    assert _transformers_own() == {"generate": integration._ORIGINAL_GENERATE,
+                                   "candidates": integration._ORIGINAL_CANDIDATE_GENERATOR,
+                                   "pipeline loader": integration._ORIGINAL_LOAD_ASSISTANT_MODEL}
+    assert integration._ORIGINAL_GENERATE.__module__ == "transformers.generation.utils"
+    with pytest.raises(AttributeError) as refused:  # transformers' assisted decoding cannot use a tree drafter
+        target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=12)
+    assert str(refused.value) == NEEDS_PACKAGE
+    assert torch.equal(target.generate(ids, do_sample=False, max_new_tokens=12), plain)  # transformers' own path
+    assert torch.equal(hf_treespark.generate(target, drafter, ids, do_sample=False, max_new_tokens=12), plain)
+    hf_treespark.install()
+    assert _transformers_own()["generate"] is integration._generate
+    assert torch.equal(target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=12), plain)
+
+
+def test_without_the_routing_a_saved_drafters_custom_generate_still_decodes(llama_pair, tmp_path, routed_again):
+    import hf_treespark
+
+    target, drafter = llama_pair
+    drafter.save_pretrained(tmp_path / "drafter")
+    ids = torch.tensor([[1, 5, 9, 17]])
+    plain = target.generate(ids, do_sample=False, max_new_tokens=12)
+    hf_treespark.uninstall()
+    out = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=12,
+                          return_dict_in_generate=True, custom_generate=str(tmp_path / "drafter"),
+                          trust_remote_code=True)
+    assert torch.equal(out.sequences, plain) and len(out.rounds) > 0  # tree decoding, by the drafter's own recipe
+
+
+_IMPORT = """
+import hf_treespark
+from transformers import AutoConfig, GenerationMixin
+from transformers.pipelines import base
+from hf_treespark.decoding import integration
+print("routed", GenerationMixin.generate is integration._generate, "loader",
+      base.load_assistant_model is integration._load_assistant_model, "registered",
+      AutoConfig.for_model("treespark").model_type)
+"""
+
+
+@pytest.mark.parametrize(("value", "routed"), [("1", False), ("yes", False), ("0", True), ("", True)])
+def test_hf_treespark_no_patch_keeps_transformers_untouched_at_import(value, routed):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_TREESPARK_NO_PATCH": value}
+    done = subprocess.run([sys.executable, "-c", _IMPORT], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == f"routed {routed} loader {routed} registered treespark"

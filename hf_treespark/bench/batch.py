@@ -71,6 +71,7 @@ def run_batch_benchmark(target, tokenizer, drafter, suites=("mtbench", "humaneva
             count = max(1, len(candidates) // size) * size
             prompts = [candidates[i % len(candidates)] for i in range(count)]
             batches = [batch_inputs(tokenizer, prompts[i:i + size]) for i in range(0, count, size)]
+            batches = [{name: tensor.to(target.device) for name, tensor in batch.items()} for batch in batches]
             kwargs = {"do_sample": False, "max_new_tokens": max_new_tokens, "pad_token_id": pad}
             target.generate(**batches[0], **{**kwargs, "max_new_tokens": 2})  # warm-up of this shape
             target.generate(**batches[0], **{**kwargs, "max_new_tokens": 2}, assistant_model=drafter)

@@ -116,7 +116,8 @@ def run_profile(args, target, tokenizer, drafters: dict, suites: list[str]) -> i
         raise ValueError("--profile needs the TreeSpark drafter (--drafter treespark=PATH with --target)")
     drafter = drafters["treespark"]
     ensure_latency(target, drafter)
-    prompts = [inputs for suite in suites for inputs in suite_inputs(tokenizer, suite, args.num_prompts)]
+    prompts = [{name: tensor.to(target.device) for name, tensor in inputs.items()}
+               for suite in suites for inputs in suite_inputs(tokenizer, suite, args.num_prompts)]
     rows = args.batch_size[0] if args.batch_size else 1
     if rows > 1:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -5,7 +5,7 @@ For each suite (by default MT-Bench first turns, HumanEval, held-out ShareGPT; a
 `generate`, transformers' prompt-lookup decoding, a DSpark drafter in chain mode, a DSpark-trained
 drafter in tree mode, the TreeSpark drafter in chain and tree mode), greedy, batch 1:
 
-- acceptance length: tokens committed per target forward after the prefill (SPEC section 3:
+- acceptance length: tokens committed per target forward after the prefill (
   accepted nodes + bonus per round; for prompt lookup, counted from the target's forward calls),
 - acceptance rate by depth: fraction of rounds whose accepted path reached depth `d`,
 - tokens/s and speedup over plain greedy, measured in the same run with the methods interleaved
@@ -35,11 +35,13 @@ from ..decoding.engine import PhaseTimer
 from ..help_format import (
     CPU_PACK_CHOICES,
     CPU_PACK_HELP,
-    DTYPE_CHOICES,
+    add_device_option,
+    add_dtype_option,
     batch_sizes,
     batch_sizes_option,
     cpu_pack_option,
     refuse_empty_values,
+    resolve_device,
 )
 from ..precision import resolve_dtype
 from .batch import batch_inputs, batch_table, run_batch_benchmark, run_batches, same_width
@@ -168,7 +170,7 @@ def run_benchmark(target, tokenizer, drafters: dict, suites=SUITES, methods=None
 
     # One tree budget for both tree methods (same capacity and policy); "auto" is resolved once,
     # on this device, with the TreeSpark drafter's acceptance statistics (or DSpark + Tree's).
-    warm = assets.chat_inputs(tokenizer, "Say hello.")
+    warm = assets.chat_inputs(tokenizer, "Say hello.", device=target.device)
     fixed_budget = None if budget == "auto" else budget
     chooser = next((drafters[m] for m in ("treespark", "dspark_tree") if m in drafters), None)
     if budget == "auto" and chooser is not None and any(m.name in TREE_METHODS for m in runnable):
@@ -185,7 +187,7 @@ def run_benchmark(target, tokenizer, drafters: dict, suites=SUITES, methods=None
         suite_methods = [_with_datastore(m, grown) for m in runnable]
         rows = {m.name: MethodResult(suite, m.name, m.label, rounds_reaching_depth=[0] * depth) for m in runnable}
         for index, prompt in enumerate(tqdm(prompts, desc=f"bench {SUITE_LABELS[suite]}", disable=not progress)):
-            inputs = prompt.inputs
+            inputs = {name: tensor.to(target.device) for name, tensor in prompt.inputs.items()}
             prompt_len = inputs["input_ids"].shape[1]
             reference = None
             for method in suite_methods:
@@ -260,8 +262,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "whose drafter is missing is skipped")
     parser.add_argument("--budget", default="auto", help="tree budget for both tree methods, or 'auto'")
     parser.add_argument("--target", help="target model name or path (default: offline SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                        help="auto: bf16 where the device computes it natively, else fp32")
+    add_device_option(parser)
+    add_dtype_option(parser)
     parser.add_argument("--cpu-pack", choices=CPU_PACK_CHOICES, default="auto", help=CPU_PACK_HELP)
     parser.add_argument("--output-dir", default="bench_results")
     parser.add_argument("--profile", action="store_true",
@@ -282,7 +284,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     from ..hub import assets
     from ..hub.loading import load_drafter, load_target
 
-    dtype = resolve_dtype(args.dtype)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
     suites = [s.strip() for s in args.suites.split(",") if s.strip()]
     baseline = any(item.partition("=")[0] == "baseline" for item in args.drafter)
     default = DEFAULT_METHODS + (("baseline_chain", "baseline_datastore") if baseline else ())
@@ -318,7 +321,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         paths[role] = path
     check_output_dir(args.output_dir)
     pack = cpu_pack_option(args.cpu_pack)
-    target, tokenizer = load_target(args.target, dtype, cpu_pack=pack)
+    target, tokenizer = load_target(args.target, dtype, device=device, cpu_pack=pack)
     drafters, loaded = {}, {}
     for role in ROLES:
         path = paths.get(role)
@@ -327,7 +330,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         if path is None:
             continue
         if path not in loaded:
-            loaded[path] = load_drafter(path, dtype, cpu_pack=pack)
+            loaded[path] = load_drafter(path, dtype, device=device, cpu_pack=pack)
         drafters[role] = loaded[path]
 
     if args.profile:
@@ -357,8 +360,12 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m hf_treespark.bench.run`: the same as `treespark bench`, with its one-line errors."""
+    """`python -m hf_treespark.bench.run`: the same as `treespark bench`, with its one-line errors; `generate` is
+    routed whatever `HF_TREESPARK_NO_PATCH` says (`cli.commands._route_generate`)."""
+    from ..decoding.integration import install
     from ..help_format import DefaultsHelpFormatter, run_script
+
+    install()
 
     parser = argparse.ArgumentParser(prog="treespark bench", description=__doc__.split("\n")[0],
                                      formatter_class=DefaultsHelpFormatter)

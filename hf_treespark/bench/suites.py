@@ -8,9 +8,7 @@ The default three (`SUITES`, what `treespark bench` runs unless `--suites` says 
   13,000, where the later suites' band starts), of which the first `max(4 x count, 64)` are read.
 
 Every suite's pool is encoded first and `count` prompts taken evenly spaced over those within the token limit, so
-a small run spans the categories. (Until 2026-12-03 the first three kept the first `count` that fit of `4 x count`
-drawn, so 20 MT-Bench prompts were its writing and roleplay questions only, and 20 HumanEval ones its first 40
-problems: figures measured before then are on those prompts.)
+a small run spans the categories (how the first three were drawn before: docs/design-notes.md, "Bench prompts").
 
 Three more (`ALL_SUITES`), each read by nothing else (not training, the datastore, calibration or the development
 set):

@@ -96,7 +96,7 @@ def calibrate_acceptance(target, drafter, prompts: list[dict], budgets=CANDIDATE
     threshold depends on `N`) would mix rounds of other costs into it (measured: not even monotone in `N`). So is the
     per-call guard (`tree_guard=False`): its probes are plain steps, and at a budget whose rounds are slow on this
     machine it hands the call to plain decoding, so `tau(N)` would fall with `N` for the cost of `N`, which the budget
-    choice already prices (measured 2026-12-04 with the guard on: 2.29 at N = 16, 1.94 at 32, 1.70 at 64).
+    choice already prices (docs/design-notes.md, "Calibrating acceptance").
     """
     from tqdm.auto import tqdm
 

@@ -10,10 +10,9 @@ from __future__ import annotations
 import argparse
 import math
 
-from ..help_format import CPU_PACK_CHOICES, CPU_PACK_HELP, DTYPE_CHOICES, batch_sizes
+from ..help_format import CPU_PACK_CHOICES, CPU_PACK_HELP, add_device_option, add_dtype_option, batch_sizes
 
 TARGET_HELP = "target model name or path (default: offline SmolLM2-135M-Instruct)"
-DTYPE_HELP = "auto: bf16 where the device computes it natively, else fp32"
 
 
 # ----- argparse types ------------------------------------------------------------------------------------------
@@ -62,7 +61,8 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--topk", type=int, help="children per frontier parent")
     parser.add_argument("--chain", action="store_true", help="chain mode (plain DSpark drafting)")
     parser.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy")
-    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
+    add_device_option(parser)
+    add_dtype_option(parser)
     parser.add_argument("--cpu-pack", choices=CPU_PACK_CHOICES, default="auto", help=CPU_PACK_HELP)
     parser.add_argument("--compare", action="store_true",
                         help="also run plain decoding: speedup and exactness check")
@@ -92,7 +92,8 @@ def add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
                              "(e.g. 2,4,8,16), and (with --drafter) the acceptance per row in batches of the smallest")
     parser.add_argument("--latency-only", action="store_true",
                         help="only the round latency; leave the drafter's acceptance_profile as it is")
-    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
+    add_device_option(parser)
+    add_dtype_option(parser)
     parser.add_argument("--cpu-pack", choices=CPU_PACK_CHOICES, default="auto", help=CPU_PACK_HELP)
 
 
@@ -130,7 +131,8 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
                                        "0.0.0.0: the whole network)")
     parser.add_argument("--port", type=int, help="port to serve on (default: $GRADIO_SERVER_PORT or 7860)")
     parser.add_argument("--share", action="store_true", help="also open a public gradio.live link (off by default)")
-    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
+    add_device_option(parser)
+    add_dtype_option(parser)
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -158,12 +160,26 @@ def add_answers_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..training.export import EXPORT_DTYPES
+    from ..training.export import EXPORT_DTYPES, FORMATS
 
-    parser.add_argument("checkpoint", help="a checkpoint of a training run, OUTPUT_DIR/checkpoints/step-N")
+    parser.description = ("--format drafter: a training checkpoint as a drafter directory. --format dspark: a drafter "
+                          "as a DSpark checkpoint that vLLM and SGLang serve (docs/serving.md), with their commands.")
+    parser.add_argument("checkpoint", nargs="?",
+                        help="a checkpoint of a training run, OUTPUT_DIR/checkpoints/step-N; with --format dspark "
+                             "also a drafter directory, or nothing for the shipped drafter")
     parser.add_argument("--output", required=True, help="new directory for the drafter")
+    parser.add_argument("--format", choices=FORMATS, default="drafter",
+                        help="drafter: a drafter directory (from_pretrained); dspark: DeepSpec's DSpark layout")
     parser.add_argument("--dtype", choices=EXPORT_DTYPES, default="bfloat16",
                         help="precision of the saved weights (the shipped drafter is bfloat16)")
+    parser.add_argument("--target", help="dspark: the target whose embed_tokens and lm_head are copied in ('default': "
+                                         "the offline default; default: the target the drafter records)")
+    parser.add_argument("--mask-token-id", type=int,
+                        help="dspark, a drafter with a learned mask embedding: the token id whose embed_tokens row "
+                             "receives it (a reserved special token; refused for other drafters unless their own)")
+    parser.add_argument("--without-depth-heads", action="store_true",
+                        help="dspark: leave out the depth-1/depth-2 heads, which DSpark drafters have not (needed for "
+                             "the shipped drafter; the block alone then drafts those depths)")
 
 
 def add_push_arguments(parser: argparse.ArgumentParser) -> None:
@@ -171,3 +187,5 @@ def add_push_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repo-id", required=True, help="Hub repository to create or update, ORG/NAME")
     parser.add_argument("--private", action="store_true", help="create the repository as private")
     parser.add_argument("--token", help="Hub token (default: the one `hf auth login` stored, or $HF_TOKEN)")
+    parser.add_argument("--base-model", help="the target's Hub id, ORG/NAME, for the card's base_model and usage "
+                                             "snippet (default: the target the drafter records, when it is a Hub id)")

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
-from ..help_format import DefaultsHelpFormatter, cpu_pack_option, refuse_empty_values
+from ..help_format import DefaultsHelpFormatter, cpu_pack_option, refuse_empty_values, resolve_device
 from ..version import __version__
 
 # Only light modules here: parsing the command line (`--help`, `--version`) imports no torch or transformers.
@@ -22,9 +22,12 @@ from .calibrate import parse_budgets, print_batch_latency, print_latency, read_d
 
 
 def _load_pair(args):
+    """`(target, tokenizer, drafter)` as `--target`, `--drafter`, `--device`, `--dtype` and `--cpu-pack` say; a
+    device this machine lacks is refused first (`resolve_device`)."""
     from ..hub.loading import load_pair
 
-    return load_pair(args.target, args.drafter, args.dtype, cpu_pack=cpu_pack_option(getattr(args, "cpu_pack", "auto")))
+    return load_pair(args.target, args.drafter, args.dtype, device=resolve_device(args.device),
+                     cpu_pack=cpu_pack_option(getattr(args, "cpu_pack", "auto")))
 
 
 def cmd_generate(args) -> int:
@@ -38,7 +41,7 @@ def cmd_generate(args) -> int:
     target, tokenizer, drafter = _load_pair(args)
     if args.budget is None and not args.chain:
         ensure_latency(target, drafter)
-    inputs = assets.chat_inputs(tokenizer, args.prompt)
+    inputs = assets.chat_inputs(tokenizer, args.prompt, device=target.device)
     knobs = {"tree_chain": args.chain}
     if args.budget is not None:
         knobs["tree_budget"] = args.budget
@@ -97,7 +100,8 @@ def cmd_calibrate(args) -> int:
         print_batch_latency(size, latency, target, drafter, policy)
     if config_path is None or args.latency_only:
         return 0
-    prompts = _calibration_prompts(args, tokenizer)
+    prompts = [{name: tensor.to(target.device) for name, tensor in inputs.items()}
+               for inputs in _calibration_prompts(args, tokenizer)]
     profile = measure.calibrate_acceptance(target, drafter, prompts, budgets, args.max_new_tokens)
     config["acceptance_profile"] = profile
     if batch_sizes:  # batched rounds: at most N nodes, lookup and datastore branches among them
@@ -240,8 +244,9 @@ def cmd_demo(args) -> int:
     # Before loading models, say at once whether it can serve where asked (before gradio's import, which reads
     # GRADIO_SERVER_PORT itself and fails on a bad one with a traceback), and whether the demo extra is there.
     host, port = demo_address(args.host, args.port)
+    device = resolve_device(args.device)
     import_gradio()
-    app = build_app(target_name=args.target, drafter_name=args.drafter, dtype=args.dtype)
+    app = build_app(target_name=args.target, drafter_name=args.drafter, dtype=args.dtype, device=device)
     launch(app, host=host, port=port, share=args.share)
     return 0
 
@@ -303,9 +308,16 @@ def cmd_answers(args) -> int:
 
 
 def cmd_export(args) -> int:
-    """Write the drafter of a training checkpoint to a drafter directory."""
-    from ..training.export import export_checkpoint
+    """Write the drafter of a training checkpoint to a drafter directory, or a drafter as a DSpark checkpoint."""
+    from ..training.export import export_checkpoint, export_dspark_command
 
+    if args.format == "dspark":
+        return export_dspark_command(args)
+    dspark_only = [option for option, value in (("--target", args.target), ("--mask-token-id", args.mask_token_id),
+                                                ("--without-depth-heads", args.without_depth_heads)) if value]
+    if dspark_only or args.checkpoint is None:
+        raise ValueError(f"{', '.join(dspark_only)} applies to --format dspark only" if dspark_only else
+                         "give the training checkpoint to export (OUTPUT_DIR/checkpoints/step-N)")
     export_checkpoint(args.checkpoint, args.output, dtype=args.dtype)
     print(f"[export] {args.checkpoint} -> {args.output} ({args.dtype}); measure its acceptance profile for "
           f"tree_budget='auto' with: treespark calibrate --drafter {args.output}")
@@ -326,23 +338,39 @@ def cmd_push(args) -> int:
     except HFValidationError as err:
         raise ValueError(f"--repo-id {args.repo_id!r} is not a Hub repository id (ORG/NAME): {err}") from None
     from ..drafter.modeling import TreeSparkDrafter
+    from ..hub.card import check_base_model, written_here
     from ..hub.sharing import CARD_NAME, push_drafter_to_hub
 
+    try:
+        check_base_model(args.base_model)
+    except ValueError as err:
+        raise ValueError(f"--base-model: {err}") from None
     drafter = TreeSparkDrafter.from_pretrained(args.drafter, dtype="auto")  # upload the dtype it was saved in
     try:
-        commit = push_drafter_to_hub(drafter, args.repo_id, private=args.private or None, token=args.token)
+        commit = push_drafter_to_hub(drafter, args.repo_id, private=args.private or None, token=args.token,
+                                     base_model=args.base_model)
     except Exception as err:
         from ..training.push import hub_failure, push_command
 
         if hub_failure(err) is None:
             raise
         raise RuntimeError(f"pushing {args.drafter} to the Hub repository {args.repo_id} failed ({hub_failure(err)}); "
-                           f"retry with: {push_command(args.drafter, args.repo_id)}") from err
-    card = (f"its own {CARD_NAME}" if (Path(args.drafter) / CARD_NAME).is_file()
-            else f"a {CARD_NAME} made from its config (the directory had none)")
+                           f"retry with: {push_command(args.drafter, args.repo_id, args.base_model)}") from err
+    own = Path(args.drafter) / CARD_NAME
+    card = (f"a {CARD_NAME} made from the drafter (the directory had none)" if not own.is_file()
+            else f"its own {CARD_NAME}, " + ("every figure read from the drafter again"
+                                              if written_here(own.read_text("utf-8")) else "as written"))
     where = getattr(commit, "commit_url", None) or args.repo_id
     print(f"[push] {args.drafter} uploaded to {where}, model card: {card}")
     return 0
+
+
+def _route_generate() -> None:
+    """The commands decode with `target.generate(assistant_model=drafter)`: routed here whatever
+    `HF_TREESPARK_NO_PATCH` says (the variable is for programs that import the package)."""
+    from ..decoding.integration import install
+
+    install()
 
 
 def _one_line_warnings() -> None:
@@ -400,7 +428,8 @@ def commands() -> tuple[Command, ...]:
                           "target's own argmax (resumable; see --help)", cli_args.add_distil_arguments, cmd_distil),
         Command("answers", "the target's own answers to an endless prompt supply, continuously batched, as "
                            "training data (resumable; see --help)", cli_args.add_answers_arguments, cmd_answers),
-        Command("export", "write the drafter of a training checkpoint to a drafter directory",
+        Command("export", "write the drafter of a training checkpoint to a drafter directory, or a drafter as a DSpark "
+                "checkpoint for vLLM/SGLang (--format dspark)",
                 cli_args.add_export_arguments, cmd_export),
         Command("push", "upload a trained drafter and its model card to the Hugging Face Hub",
                 cli_args.add_push_arguments, cmd_push),
@@ -444,6 +473,7 @@ def main(argv: list[str] | None = None, before_command: Callable[[], object] | N
     try:
         if before_command is not None:
             before_command()
+        _route_generate()
         return args.func(args)
     except (OSError, ValueError, RuntimeError) as err:
         print(f"treespark: error: {err}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""The deployed tree policy: expand, prune, pack (SPEC section 2).
+"""The deployed tree policy: expand, prune, pack (docs/method.md).
 
 One implementation, shared by inference (`engine.py`) and training replay
 (`training/objective.py`). Everything is batched torch; the only Python loop runs over depths.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -138,8 +138,8 @@ class DraftTree:
     scores:    `[b, N + 1]` joint score, sum of `log p_k(token | parent token)` along the path.
     ancestors: `[b, N + 1, N + 1]` bool, row `i` marks `i` and all its ancestors.
     candidates: the candidate pool before packing (`Candidates`), for inspection and replay.
-    lookup: `[b, N + 1]` bool, nodes only a lookup branch proposed (the drafter did not), or None.
-    retrieved: `[b, N + 1]` bool, nodes only the datastore proposed (neither the drafter nor lookup), or None.
+    flags: per branch source (its flag name: "lookup", "retrieved" for the datastore, a registered source's name),
+        `[b, N + 1]` bool: the nodes only that source proposed (not the drafter, not an earlier source).
     """
 
     tokens: torch.Tensor
@@ -148,8 +148,17 @@ class DraftTree:
     scores: torch.Tensor
     ancestors: torch.Tensor
     candidates: Candidates
-    lookup: torch.Tensor | None = None
-    retrieved: torch.Tensor | None = None
+    flags: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def lookup(self) -> torch.Tensor | None:
+        """`[b, N + 1]` bool: nodes only a lookup branch proposed, or None."""
+        return self.flags.get("lookup")
+
+    @property
+    def retrieved(self) -> torch.Tensor | None:
+        """`[b, N + 1]` bool: nodes only the datastore proposed, or None."""
+        return self.flags.get("retrieved")
 
     @property
     def num_nodes(self) -> int:
@@ -166,8 +175,7 @@ class Candidates:
     node_index: `[b, C]` position of each candidate in the packed tree (-1 if not packed; None before packing).
     expansions: per depth `k = 1..D`, the expanded parents: `(parent_candidate [b, P_k] (-1 = root),
         parent_tokens [b, P_k], child_candidates [b, P_k, topk])`.
-    lookup: `[b, C]` bool, candidates grafted from lookup branches only (`lookup.graft_lookup`), or None.
-    retrieved: `[b, C]` bool, candidates grafted from the datastore only (`lookup.graft_retrieved`), or None.
+    flags: per branch source, `[b, C]` bool: the candidates only that source grafted (`lookup.graft_nodes`).
     """
 
     tokens: torch.Tensor
@@ -177,8 +185,15 @@ class Candidates:
     packed: torch.Tensor | None
     node_index: torch.Tensor | None
     expansions: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    lookup: torch.Tensor | None = None
-    retrieved: torch.Tensor | None = None
+    flags: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def lookup(self) -> torch.Tensor | None:
+        return self.flags.get("lookup")
+
+    @property
+    def retrieved(self) -> torch.Tensor | None:
+        return self.flags.get("retrieved")
 
 
 def build_tree(
@@ -320,11 +335,10 @@ def pack_tree(pool: Candidates, root_tokens: torch.Tensor, budget: int, max_dept
     tree_parents = torch.cat([root_col(-1, node_parents), node_parents], 1)
     tree_depths = torch.cat([root_col(0, cand_depths), cand_depths.gather(1, chosen)], 1)
     tree_scores = torch.cat([root_col(0.0, cand_scores), cand_scores.gather(1, chosen)], 1)
-    flags = [None if flag is None else torch.cat([root_col(False, flag), flag.gather(1, chosen)], 1)
-             for flag in (pool.lookup, pool.retrieved)]
+    flags = {name: torch.cat([root_col(False, flag), flag.gather(1, chosen)], 1) for name, flag in pool.flags.items()}
     candidates = replace(pool, packed=packed, node_index=node_index)
     return DraftTree(tree_tokens, tree_parents, tree_depths, tree_scores,
-                     ancestor_matrix(tree_parents, max_depth), candidates, *flags)
+                     ancestor_matrix(tree_parents, max_depth), candidates, flags)
 
 
 def stack_trees(trees: list[DraftTree]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,6 +1,6 @@
 """One-forward tree verification: the tree attention mask, the acceptance walk, the cache commit.
 
-SPEC section 3. The target sees `[x0] + packed nodes` in one forward with
+The target sees `[x0] + packed nodes` in one forward with
 `position_ids = past_len + depth` and a 4D mask letting every node attend to the committed
 prefix and to its own root-to-node path.
 """

@@ -36,28 +36,25 @@ FALLBACK_GATE = {"cpu": 0.35, "accelerator": 0.1}  # the drafter gate's threshol
 CANDIDATE_BUDGETS = (2, 4, 8, 16, 32, 64)  # the tree budgets calibration measures, and the ones "auto" chooses among
 BATCH_SIZES = (2, 4, 8, 16)  # the batch sizes calibration measures (`BatchBudget`)
 BATCH_VERIFY_TOKENS = 320  # a batch's candidate budgets keep its verify forward at most this many tokens
+# The controller's defaults are data: each number below, what it is for and where it came from (machine, command,
+# date) are in docs/design-notes.md ("Defaults and where they came from").
 # A batch's tree must be predicted this much faster than plain steps (`BatchBudget`): the calibration prompts accept
-# more than some suites (measured at 8 rows: 1.52 tokens per row and round on MT-Bench against the profile's 1.80,
-# 0.91x plain where 1.05x was predicted).
+# more than some suites.
 BATCH_TREE_MARGIN = 1.1
 # ... and what the batch's own rows accept corrects the profile as they decode (`BatchBudget.observe`): the profile
-# counts as this many row-rounds of evidence against the rows' own (measured at 8 rows, 2026-12-02, AVX2 machine:
-# MT-Bench rows accepted 1.53 tokens per round against the profile's 1.90, and the tree "auto" kept ran at 0.83x plain).
+# counts as this many row-rounds of evidence against the rows' own.
 BATCH_PRIOR_ROWS = 16
 # What a round (drafter pass, tree, verify forward) costs in plain decoding steps, by budget, measured with the
 # shipped drafter on this project's two kinds of 2-core CPU: "auto"'s cost model until this machine's own
-# latency is measured and trusted (`default_round_cost`). float32: AMD EPYC with AVX2 only, `treespark
-# calibrate --latency-only --force`, 2026-12-01, AVX2 machine; bfloat16: AMD EPYC with avx512_bf16, `treespark bench
-# --profile`, 2026-12-01 (docs/budget.md, "What a round costs").
+# latency is measured and trusted (`default_round_cost`).
 DEFAULT_CPU_ROUND_COST = {
     "float32": {2: 1.34, 4: 1.59, 8: 1.76, 16: 2.04, 32: 2.54, 64: 3.68},
     "bfloat16": {4: 1.25, 8: 1.36, 16: 1.58},
 }
 
 # A round's verify forward and drafter pass for a batch of `B` rows, in plain steps of `B` rows (`BatchBudget`):
-# the shipped drafter on the AVX2-only AMD EPYC, float32, grouped-query verify attention, 256 cached tokens,
-# `latency.measure_round_latency(batch=B)`, 2026-12-01 (plain steps of 87 / 89 / 84 / 120 / 163 ms at
-# B = 1 / 2 / 4 / 8 / 16: up to 4 rows a plain step costs what one row's does).
+# the shipped drafter on the AVX2-only AMD EPYC, float32, grouped-query verify attention, 256 cached tokens
+# (`latency.measure_round_latency(batch=B)`; up to 4 rows a plain step costs what one row's does).
 DEFAULT_CPU_BATCH_ROUND_COST = {
     "float32": {
         1: {"verify": {2: 1.07, 4: 1.21, 8: 1.32, 16: 1.56, 32: 1.98, 64: 2.94},

@@ -17,23 +17,15 @@ clock: are the rounds faster per committed token than plain steps, here and now?
               is handed off only when `GUARD_CHECKS` judgements in a row find the rounds slower. A stretch that is
               faster puts the next check `GUARD_RECHECK` times as many rounds away (a long call is checked again)
 
-Why this shape, measured (bf16, 2-core AMD EPYC, 2026-12-03): judged on the last 8 rounds, the guard handed off on
-most bench prompts and cost 10-20% of the defaults' speed (10 prompts per suite, six suites: 1.52x / 1.74x / 1.98x
-plain on MT-Bench / HumanEval / ShareGPT against 1.66x / 1.98x / 1.96x unguarded). Judged once on the whole call
-against two probes, it still handed some math prompts off where the defaults ran at 1.8x plain (8 prompts: 1.48x
-against 1.80x): two probes at one moment against rounds spread over the call compare two moments of a noisy machine,
-not two methods. Judging a stretch against the probes right after it, and handing off only on a second such
-judgement, leaves a slow moment no way to end a fast call.
+Judging a stretch against the probes right after it (the same moment of a shared machine), and handing off only on
+a second such judgement, leaves a slow moment no way to end a fast call; the measurements behind this shape and
+its costs are in docs/design-notes.md ("The per-call guard").
 
-A probe is not lost work: it commits its token, as plain decoding would. It costs what the rounds it replaces would
-have gained: 1-3% of a 128-token call (two probes among 25-40 rounds), most on copy-heavy text, where a round commits
-most (the copy suite, bf16, 2-core AMD EPYC, 2026-12-06: 12 probes among 171 rounds on 6 prompts, 2.8% of the
-decoding time). Only the probe's target forward is timed (`DecodingSession.step(probe=True)`, synchronised on
-CUDA): a whole probe round carries this loop's own work beyond a plain step (the 4D mask, the walk, the commit, the
-drafter's pending features), which made its pace 7% slower than transformers' own steps (bf16 machine, 2026-12-03),
-so that the guard handed off only where TreeSpark was about 12% slower than plain. transformers' loop adds its own,
-smaller, work around the same forward (the logits processors, the stopping criteria): the forward alone is the plain
-pace less that, within the margin.
+A probe is not lost work: it commits its token, as plain decoding would; it costs what the rounds it replaces would
+have gained. Only the probe's target forward is timed (`DecodingSession.step(probe=True)`, synchronised on CUDA): a
+whole probe round carries this loop's own work beyond a plain step (the 4D mask, the walk, the commit, the drafter's
+pending features). transformers' loop adds its own, smaller, work around the same forward (the logits processors,
+the stopping criteria): the forward alone is the plain pace less that, within the margin.
 
 A stretch that is faster beyond doubt skips its probes. On a CPU every round's verify forward is timed too (free
 there; on CUDA it would need a synchronisation, so there the probes always run), and a forward of one token at the

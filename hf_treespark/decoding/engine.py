@@ -28,7 +28,6 @@ from ..core.verify import (
     Acceptance,
 )
 from ..drafter.modeling import TreeSparkDrafterOutput
-from ..sources.datastore import MAX_MATCH
 from ..sources.lookup import (
     LOOKUP_LONG_TOKENS,
     DrafterGate,
@@ -179,6 +178,11 @@ class Round:
         """How many of the first `count` accepted nodes (default: all) only the datastore proposed."""
         return self._accepted_from(self.tree.retrieved, count)
 
+    def source_accepted(self, count: int | None = None) -> int:
+        """How many of the first `count` accepted nodes (default: all) a branch source proposed (lookup, the
+        datastore, a registered source) and the drafter did not."""
+        return sum(self._accepted_from(flags, count) for flags in self.tree.flags.values())
+
     def _accepted_from(self, flags: torch.Tensor | None, count: int | None) -> int:
         if flags is None:
             return 0
@@ -188,29 +192,33 @@ class Round:
 
 @dataclass
 class RoundPlan:
-    """What a round verifies, before the drafter pass: the text's lookup branches and datastore branches, and
-    either the packed tree already (a lookup-only or gated round: `tree`; no drafter pass) or None (the
-    drafter's pool is still to come: `RowPlanner.pack`)."""
+    """What a round verifies, before the drafter pass: the text's lookup branches and what each branch source
+    proposed (`proposed`: `(flag, nodes)` per source), and either the packed tree already (a lookup-only or gated
+    round: `tree`; no drafter pass) or None (the drafter's pool is still to come: `RowPlanner.pack`)."""
 
     x0: torch.Tensor  # [1]
     branches: list
-    retrieved: list
+    proposed: list
     tree: DraftTree | None = None
+
+    @property
+    def num_proposed(self) -> int:
+        return sum(len(nodes) for _, nodes in self.proposed)
 
 
 class RowPlanner:
-    """The per-sequence part of a round's tree: lookup branches, lookup-only rounds, the drafter gate, datastore
-    branches, and packing the drafter's pool with them (`session.DecodingSession` keeps one per row).
+    """The per-sequence part of a round's tree: lookup branches, lookup-only rounds, the drafter gate, the branch
+    sources' nodes, and packing the drafter's pool with them (`session.DecodingSession` keeps one per row).
 
     `max_nodes`: at most this many nodes per tree, lookup and datastore nodes included (None: the budget plus
     their allowance, as at batch size 1; 0: the root alone, a plain step).
     """
 
-    def __init__(self, policy: TreePolicy, gate: float = 0.0, datastore=None, timer: PhaseTimer | None = None,
+    def __init__(self, policy: TreePolicy, gate: float = 0.0, sources=(), timer: PhaseTimer | None = None,
                  max_nodes: int | None = None):
         self.policy = policy
         self.gate = DrafterGate(gate) if policy.lookup else None
-        self.datastore = datastore
+        self.sources = list(sources)  # `sources.base.BranchSource`s, asked in order every round that is not lookup-only
         self.timer = timer
         self.max_nodes = max_nodes
         self.ran_drafter = False  # whether the current round ran the drafter
@@ -233,8 +241,9 @@ class RowPlanner:
         candidate pool before packing (`lookup.py`). A round whose suffix matches strongly
         (`lookup.is_lookup_round`) verifies only its lookup branches and skips the drafter pass. So does a round
         the drafter gate closes (`lookup.DrafterGate`): it verifies a short branch of its best match, if any.
-        With a datastore, every other round also grafts the continuations of the text's suffix in the target's
-        earlier outputs (`datastore.py`); each retrieved node adds one to the round's budget.
+        Every other round also grafts what the branch sources propose (`sources/base.py`: the datastore's
+        continuations of the text's suffix in the target's earlier outputs, a registered source's nodes); each
+        node a source adds raises the round's budget by one.
         """
         x0 = history[-1:]
         self.ran_drafter = False
@@ -249,15 +258,19 @@ class RowPlanner:
                 pool = lookup_pool(x0, branches)
                 return RoundPlan(x0, branches, [], self._pack(pool, x0, pool.tokens.shape[1]))
             branches = [(tokens[:length], n) for tokens, n in branches]
-        with self._phase("datastore"):
-            retrieved = [] if self.datastore is None else self.datastore.branches(history[-MAX_MATCH:].tolist())
+        proposed = []
+        for source in self.sources:
+            with self._phase(source.name):
+                proposed.append((source.flag, source.propose(history)))
         if self.gate is not None and not self.gate.is_open:
             with self._phase("tree"):
                 self.gate.skipped()
-                pool = graft_nodes(lookup_pool(x0, branches, self.policy.lookup), retrieved, "retrieved")
-                return RoundPlan(x0, branches, retrieved, self._pack(pool, x0, pool.tokens.shape[1]))
+                pool = lookup_pool(x0, branches, self.policy.lookup)
+                for flag, nodes in proposed:
+                    pool = graft_nodes(pool, nodes, flag)
+                return RoundPlan(x0, branches, proposed, self._pack(pool, x0, pool.tokens.shape[1]))
         self.ran_drafter = True
-        return RoundPlan(x0, branches, retrieved)
+        return RoundPlan(x0, branches, proposed)
 
     def round_kind(self, probe: bool = False) -> str:
         """The kind (`ROUND_KINDS`) of the round this planner last planned."""
@@ -269,13 +282,15 @@ class RowPlanner:
         """The early stop of this round's expansion (`tree.expand_tree`): the most nodes it can pack."""
         if self.policy.auto:  # the first round of an "auto" budget chooses it from the whole pool: no early stop
             return None
-        return self.policy.budget + max_extra_budget(plan.branches, self.policy.lookup) + len(plan.retrieved)
+        return self.policy.budget + max_extra_budget(plan.branches, self.policy.lookup) + plan.num_proposed
 
     def pack(self, plan: RoundPlan, pool: Candidates) -> DraftTree:
         """The drafter's candidate `pool` (batch size 1) with the plan's lookup and datastore branches, packed."""
         pool, extra = add_lookup_branches(pool, plan.branches, self.policy.lookup)
-        pool = graft_nodes(pool, plan.retrieved, "retrieved")
-        extra += 0 if pool.retrieved is None else int(pool.retrieved[0].sum())
+        for flag, nodes in plan.proposed:
+            pool = graft_nodes(pool, nodes, flag)
+        flags = {flag for flag, _ in plan.proposed if flag in pool.flags}
+        extra += sum(int(pool.flags[flag][0].sum()) for flag in flags)
         return self._pack(pool, plan.x0, self.policy.budget + extra)
 
     def after_round(self, tree: DraftTree, rnd: Round) -> None:
@@ -283,4 +298,4 @@ class RowPlanner:
         if self.lookup_only:
             self.long_lookup = rnd.num_accepted == tree.num_nodes >= self.policy.lookup
         if self.ran_drafter and self.gate is not None:
-            self.gate.drafted(rnd.num_accepted - rnd.lookup_accepted() - rnd.datastore_accepted())
+            self.gate.drafted(rnd.num_accepted - rnd.source_accepted())

@@ -21,6 +21,7 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..core.tree import DraftTree, TreePolicy, pack_tree
+from ..sources.base import build_sources
 from ..sources.datastore import HEADER_TOKENS
 from ..sources.lookup import add_lookup_branches, find_lookup_branches, max_extra_budget
 from .budget import auto_budget
@@ -37,6 +38,7 @@ from .generation_checks import (
     resolve_datastore,
     resolve_gate,
     resolve_policy,
+    resolve_sources,
 )
 from .generation_output import RoundRecord, TreeSparkGenerateOutput, acceptance_stats, first_stop, tree_record_dict
 from .session import DecodingSession
@@ -93,6 +95,7 @@ def treespark_decoding(
     tree_lookup: int | None = None,
     tree_gate: float | str = "auto",
     tree_datastore=None,
+    tree_sources: dict | None = None,
     tree_record: bool = False,
     tree_timer=None,
     tree_guard=True,
@@ -117,12 +120,13 @@ def treespark_decoding(
     check_supported(model, drafter, input_ids, generation_config)
     policy = resolve_policy(drafter, tree_budget, tree_topk, tree_depth, tree_frontier, tree_chain, tree_lookup)
     datastore = resolve_datastore(drafter, tree_datastore)
+    sources = build_sources(drafter, {"datastore": datastore, **resolve_sources(tree_sources)})
     streamer = treespark_streamer
     if input_ids.shape[0] > 1:
         gate = None if isinstance(tree_gate, str) and tree_gate == "auto" else resolve_gate(model, drafter, policy,
                                                                                              tree_gate)
         return batched_decoding(model, drafter, input_ids, logits_processor, stopping_criteria, generation_config,
-                                policy, gate, datastore, streamer, tree_record, tree_timer, model_kwargs)
+                                policy, gate, datastore, sources, streamer, tree_record, tree_timer, model_kwargs)
     policy, choose_budget = _auto_chooser(model, drafter, policy)
     gate = resolve_gate(model, drafter, policy, tree_gate)
     want_scores = bool(generation_config.output_scores)
@@ -134,7 +138,7 @@ def treespark_decoding(
     num_pad = left_padding(model_kwargs.get("attention_mask"), input_ids)
     session = DecodingSession(model, drafter, policy, logits_processor=logits_processor, do_sample=do_sample,
                               keep_scores=want_scores or want_logits, cache=empty_cache(model_kwargs),
-                              choose_budget=choose_budget, timer=tree_timer, gate=gate, datastore=datastore)
+                              choose_budget=choose_budget, timer=tree_timer, gate=gate, sources=sources)
 
     if streamer is not None:
         streamer.put(input_ids.cpu())

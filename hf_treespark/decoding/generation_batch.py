@@ -38,7 +38,8 @@ def _pad_token(generation_config: GenerationConfig) -> int:
 @torch.no_grad()
 def batched_decoding(model, drafter, input_ids: torch.Tensor, logits_processor: LogitsProcessorList,
                      stopping_criteria: StoppingCriteriaList, generation_config: GenerationConfig, policy: TreePolicy,
-                     gate: float | None, datastore, streamer, tree_record: bool, tree_timer, model_kwargs: dict):
+                     gate: float | None, datastore, sources: list, streamer, tree_record: bool, tree_timer,
+                     model_kwargs: dict):
     """`treespark_decoding` for a left-padded batch of `B > 1` rows (`session.DecodingSession`).
 
     Each row stops at its own end (end-of-sequence, a stopping criterion, the length limit) and is padded with the
@@ -67,7 +68,7 @@ def batched_decoding(model, drafter, input_ids: torch.Tensor, logits_processor: 
 
     session = DecodingSession(model, drafter, policy, rows, logits_processor=logits_processor,
                              do_sample=bool(generation_config.do_sample), cache=empty_cache(model_kwargs),
-                             timer=tree_timer, gate=gate if gate is not None else 0.0, datastore=datastore,
+                             timer=tree_timer, gate=gate if gate is not None else 0.0, sources=sources,
                              budget=budget,
                              choose_budget=choose_from_scores if budget is None else None)
     first_budget = budget

@@ -57,6 +57,19 @@ def real_scalar(value) -> float | None:
 _loaded_datastores: dict[tuple[str, float], Datastore] = {}  # by path and modification time
 
 
+def resolve_sources(tree_sources) -> dict:
+    """`tree_sources`: `{name: value}` of registered branch sources for this call (`sources.base.register_source`;
+    each factory decides from `value` whether it takes part), or None. Raises `ValueError` for anything else."""
+    if tree_sources is None:
+        return {}
+    if not isinstance(tree_sources, dict) or not all(isinstance(name, str) for name in tree_sources):
+        raise ValueError(f"tree_sources={tree_sources!r:.60} is invalid: give a dict of registered source names to "
+                         "their values, e.g. tree_sources={'my_source': True}")
+    if "datastore" in tree_sources:
+        raise ValueError("tree_sources names 'datastore': choose the datastore with tree_datastore=...")
+    return dict(tree_sources)
+
+
 def resolve_datastore(drafter, tree_datastore=None) -> Datastore | None:
     """The datastore whose branches join this call's rounds (`datastore.py`), or None.
 

@@ -69,7 +69,7 @@ class TreeSparkGenerateOutput(GenerateDecoderOnlyOutput):
     """`GenerateDecoderOnlyOutput` plus per-round records.
 
     rounds: one `RoundRecord` per drafting round.
-    acceptance_length: mean tokens committed per round (accepted nodes + bonus; SPEC section 3).
+    acceptance_length: mean tokens committed per round (accepted nodes + bonus).
     acceptance_by_depth: fraction of rounds whose accepted path reached depth `d`, for `d = 1..D`.
     tree_budget: the budget `N` used (the one chosen when `tree_budget="auto"`).
     """

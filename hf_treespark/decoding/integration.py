@@ -7,6 +7,8 @@ passes it every keyword that the callable declares beyond `_sample`'s. We wrap
 `GenerationMixin.generate` so that a TreeSpark `assistant_model` is re-routed to that path,
 renamed so that transformers does not also start its own assisted decoding. Every other call
 goes to the original `generate` untouched (once a `custom_generate` path is known to exist, below).
+`install()` does it (`import hf_treespark` calls it unless the environment sets `HF_TREESPARK_NO_PATCH=1`);
+`uninstall()` puts transformers' own functions back.
 
 If a model class overrides `generate` itself, or transformers changes, the guard on
 `_get_candidate_generator` turns the opaque failure into a message naming
@@ -42,7 +44,7 @@ from transformers import GenerationMixin, StoppingCriteriaList, StopStringCriter
 from .generation import treespark_decoding
 
 TREE_KWARGS = ("tree_budget", "tree_topk", "tree_depth", "tree_frontier", "tree_chain", "tree_lookup", "tree_gate",
-               "tree_datastore", "tree_record", "tree_timer", "tree_guard")
+               "tree_datastore", "tree_sources", "tree_record", "tree_timer", "tree_guard")
 # GenerationConfig fields of transformers' assisted decoding (chain drafters, prompt lookup, early
 # exit, universal assisted decoding); a TreeSpark drafter uses none of them.
 ASSISTED_FIELDS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold",
@@ -308,8 +310,24 @@ def _install_pipeline_support() -> None:
 
 
 def install() -> None:
-    """Route TreeSpark assistants (idempotent; done by `import hf_treespark`)."""
+    """Route TreeSpark assistants (idempotent; done by `import hf_treespark` unless `HF_TREESPARK_NO_PATCH=1`)."""
     if GenerationMixin.generate is not _generate and _supports_custom_generate():
         GenerationMixin.generate = _generate
     GenerationMixin._get_candidate_generator = _get_candidate_generator
     _install_pipeline_support()
+
+
+def uninstall() -> None:
+    """Undo `install` (idempotent): transformers' own `GenerationMixin.generate`, `_get_candidate_generator` and
+    pipeline `load_assistant_model` again, the very objects it had. Then `generate(assistant_model=drafter)` reaches
+    transformers' assisted decoding, which refuses the drafter (`modeling.NEEDS_PACKAGE`); TreeSpark decoding stays
+    reachable through `hf_treespark.generate(target, drafter, ...)` and `custom_generate=<drafter directory>`."""
+    if GenerationMixin.generate is _generate:
+        GenerationMixin.generate = _ORIGINAL_GENERATE
+    if GenerationMixin._get_candidate_generator is _get_candidate_generator:
+        GenerationMixin._get_candidate_generator = _ORIGINAL_CANDIDATE_GENERATOR
+    if _ORIGINAL_LOAD_ASSISTANT_MODEL is not None:
+        from transformers.pipelines import base
+
+        if base.load_assistant_model is _load_assistant_model:
+            base.load_assistant_model = _ORIGINAL_LOAD_ASSISTANT_MODEL

@@ -81,7 +81,7 @@ def left_padded(rows: list[torch.Tensor], pad_token_id: int) -> dict[str, torch.
     """Token-id rows `[T_i]` as one left-padded batch (`input_ids`, `attention_mask`), as a batched pipeline
     makes."""
     width = max(row.shape[0] for row in rows)
-    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long, device=rows[0].device)
     mask = torch.zeros_like(ids)
     for i, row in enumerate(rows):
         ids[i, width - row.shape[0]:], mask[i, width - row.shape[0]:] = row, 1
@@ -231,7 +231,8 @@ class DecodingSession:
         keep_scores: keep the processed scores and raw logits of every committed token.
         gate: with lookup on, the threshold of the session's drafter gate (`SharedGate`; `budget.gate_threshold`
             gives this device's); 0 runs the drafter in every round that is not lookup-only.
-        datastore: a `datastore.Datastore` whose branches join every round that is not lookup-only, or None.
+        sources: branch sources (`sources.base.BranchSource`: the datastore, registered sources) whose nodes join
+            every round that is not lookup-only, asked in order.
         choose_budget: for "auto" without a fixed budget, called once with the first drafter pool's scores
             (`[b, C]`, root excluded); returns the budget.
     """
@@ -239,7 +240,7 @@ class DecodingSession:
     def __init__(self, target, drafter, policy: TreePolicy, batch_size: int = 1, *,
                  logits_processor: LogitsProcessorList | None = None, do_sample: bool = False,
                  keep_scores: bool = False, cache: DynamicCache | None = None, timer: PhaseTimer | None = None,
-                 gate: float = 0.0, datastore=None, budget: int | None = None, choose_budget=None):
+                 gate: float = 0.0, sources=(), budget: int | None = None, choose_budget=None):
         self.target = target
         self.drafter = drafter.bind_target(target)
         self.processors = logits_processor if logits_processor is not None else LogitsProcessorList()
@@ -255,7 +256,7 @@ class DecodingSession:
         self.policy = policy  # every row's (`set_budget`), kept here too: the session outlives its last row
         self.batched = batch_size > 1  # a batch's trees hold at most the budget: its verify pads to the widest
         self.max_nodes: int | None = None
-        self.planners = [RowPlanner(policy, gate, datastore, timer) for _ in range(batch_size)]
+        self.planners = [RowPlanner(policy, gate, sources, timer) for _ in range(batch_size)]
         self.gate = SharedGate(gate) if policy.lookup else None
         for planner in self.planners:
             planner.gate = self.gate

@@ -335,7 +335,9 @@ INTRO = """\
 A small drafter proposes a **tree** of possible continuations; the target checks the whole tree in
 **one forward pass** and keeps the longest path it agrees with, plus one token of its own
 (the **bonus**, bold and underlined). Each colour band below is one target forward: a long
-band means many tokens for the price of one. Greedy output is identical to plain decoding.
+band means many tokens for the price of one. Greedy output is plain decoding's, token for token in float32; in
+half precision (bf16, fp16) it may part from it at a floating-point near-tie of the target's logits, which the
+greedy check under the answer names (with "also run plain decoding"; its token position counts the prompt too).
 """
 
 
@@ -346,8 +348,8 @@ class DemoHandlers:
     is gradio's session hash, None for a caller without one.
     """
 
-    def __init__(self, gr, pair: ModelPair, dtype: str | torch.dtype = "auto"):
-        self.gr, self.pair, self.dtype = gr, pair, dtype
+    def __init__(self, gr, pair: ModelPair, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu"):
+        self.gr, self.pair, self.dtype, self.device = gr, pair, dtype, device
         self.stops: dict[str | None, threading.Event] = {}
 
     def outputs(self, run: DemoRun | None, message: str = "", status: str = "", final: bool = False) -> tuple:
@@ -425,7 +427,7 @@ class DemoHandlers:
         """Swap the pair for the next requests; on failure keep the one loaded and say why."""
         target_text, drafter_text = (target_text or "").strip() or None, (drafter_text or "").strip() or None
         try:
-            self.pair = ModelPair.load(target_text, drafter_text, self.dtype)
+            self.pair = ModelPair.load(target_text, drafter_text, self.dtype, self.device)
         except Exception as err:  # a missing path, a drafter for another target, ...
             message = f"Could not load the models (still using {self.pair.description}): {err}"
             self.gr.Warning(message)
@@ -434,16 +436,17 @@ class DemoHandlers:
 
 
 def build_app(target=None, tokenizer=None, drafter=None, *, target_name: str | None = None,
-              drafter_name: str | None = None, dtype: str | torch.dtype = "auto"):
-    """The Gradio app (`gr.Blocks`). Pass loaded models (tests), or names/paths to load (None = defaults).
+              drafter_name: str | None = None, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu"):
+    """The Gradio app (`gr.Blocks`). Pass loaded models (tests), or names/paths to load (None = defaults) in `dtype` on
+    `device` (models loaded later from the *Models* panel too; with a given target: its device).
 
     API endpoints: `/generate` (outputs: answer HTML, stats HTML, histogram, round slider, tree
     HTML, result JSON, message; the JSON has `text`, `check` and per-round `rounds`),
     `/load_models` and `/show_round`.
     """
     gr = import_gradio()
-    pair = _model_pair(target, tokenizer, drafter, target_name, drafter_name, dtype)
-    handlers = DemoHandlers(gr, pair, dtype)
+    pair = _model_pair(target, tokenizer, drafter, target_name, drafter_name, dtype, device)
+    handlers = DemoHandlers(gr, pair, dtype, pair.target.device)
     with gr.Blocks(title="TreeSpark demo", analytics_enabled=False) as app:
         gr.Markdown(INTRO)
         with gr.Row():
@@ -457,14 +460,15 @@ def build_app(target=None, tokenizer=None, drafter=None, *, target_name: str | N
 
 
 def _model_pair(target, tokenizer, drafter, target_name: str | None, drafter_name: str | None,
-                dtype: str | torch.dtype) -> ModelPair:
-    """The pair `build_app` was given, completed (the drafter loaded when missing), or loaded by name."""
+                dtype: str | torch.dtype, device: str | torch.device) -> ModelPair:
+    """The pair `build_app` was given, completed (the drafter loaded when missing, on the target's device), or loaded
+    by name on `device`."""
     if target is None:
-        return ModelPair.load(target_name, drafter_name, dtype)
+        return ModelPair.load(target_name, drafter_name, dtype, device)
     if tokenizer is None:
         raise ValueError("build_app: pass the target's tokenizer with the target")
     if drafter is None:
-        drafter = load_drafter(drafter_name, next(target.parameters()).dtype)
+        drafter = load_drafter(drafter_name, next(target.parameters()).dtype, device=target.device)
     drafter.check_target(target)
     return ModelPair(target, tokenizer, drafter, describe_pair(target_name or target.name_or_path, drafter_name))
 

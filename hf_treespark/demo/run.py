@@ -169,14 +169,14 @@ class ModelPair:
     description: str
 
     @classmethod
-    def load(cls, target: str | None = None, drafter: str | None = None,
-             dtype: str | torch.dtype = "auto") -> "ModelPair":
-        """By name or path; None = the offline default target / the shipped drafter."""
-        target_model, tokenizer, drafter_model = load_pair(target, drafter, dtype)
+    def load(cls, target: str | None = None, drafter: str | None = None, dtype: str | torch.dtype = "auto",
+             device: str | torch.device = "cpu") -> "ModelPair":
+        """By name or path (None = the offline default target / the shipped drafter), on `device`."""
+        target_model, tokenizer, drafter_model = load_pair(target, drafter, dtype, device=device)
         ensure_latency(target_model, drafter_model)  # first use on this machine: for tree_budget="auto"
         # The first calls of a process pay one-time costs (packed weights, lazy set-up): before the first request,
         # so that the page's speedup compares the two decoders and not their first calls.
-        warm = assets.chat_inputs(tokenizer, "Say hello.")
+        warm = assets.chat_inputs(tokenizer, "Say hello.", device=target_model.device)
         target_model.generate(**warm, do_sample=False, max_new_tokens=4)
         target_model.generate(**warm, assistant_model=drafter_model, do_sample=False, max_new_tokens=4)
         return cls(target_model, tokenizer, drafter_model, describe_pair(target, drafter))
@@ -239,7 +239,8 @@ class DemoRun:
     error: str | None = None
 
     def __post_init__(self):
-        self.inputs = assets.chat_inputs(self.pair.tokenizer, self.prompt)
+        device = getattr(self.pair.target, "device", None)  # a model's (None: any target without one)
+        self.inputs = assets.chat_inputs(self.pair.tokenizer, self.prompt, device=device)
         self.prompt_length = self.inputs["input_ids"].shape[1]
         self.text = TokenText(self.pair.tokenizer)
 

@@ -11,7 +11,7 @@ class TreeSparkConfig(PretrainedConfig):
     r"""Configuration of a [`TreeSparkDrafter`].
 
     The drafter is a small transformer that drafts `block_size` future tokens in one forward
-    pass, conditioned on hidden states of its target model (SPEC section 1).
+    pass, conditioned on hidden states of its target model (docs/method.md).
 
     Args:
         target_hidden_size: hidden size `d_target` of the target model; the drafter shares the
@@ -56,10 +56,10 @@ class TreeSparkConfig(PretrainedConfig):
         draft_vocab_size: size `|S|` of the draft vocabulary, the target-vocabulary subset the drafter
             proposes from (frequency-ranked ids, stored in the checkpoint as the buffer
             `draft_vocab_ids`); None: the whole target vocabulary. Verification always uses the full
-            vocabulary, so decoding stays lossless (SPEC section 2b).
+            vocabulary, so decoding stays lossless.
         anchor_features: also feed the projected target features of the position before the anchor
             (`ctx[a - 1]`, the newest committed position) into every block slot's input through a
-            zero-initialised `anchor_proj`, besides the KV injection; False keeps the SPEC's
+            zero-initialised `anchor_proj`, besides the KV injection; False keeps the method's
             KV-only conditioning (and every checkpoint saved without the field).
         depth1_head: width of the depth-1 head's MLP, 0 = none. The head is a context-free pathway into the
             first depth (the block's anchor slot): `h_1 <- h_1 + out(x + mlp(x))`,

@@ -1,7 +1,7 @@
 """Draft vocabularies: rank target token ids by frequency and restrict a drafter to the top of the ranking.
 
 The drafter then proposes tokens from `S`, the `|S|` most frequent ids in the target's own outputs
-(SPEC section 2b): the LM-head and Markov-head work per round shrink by `V / |S|`, and a round whose
+the LM-head and Markov-head work per round shrink by `V / |S|`, and a round whose
 next target token lies outside `S` simply commits the target's bonus token. Verification is on the
 full vocabulary, so decoding stays lossless.
 """

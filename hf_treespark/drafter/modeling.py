@@ -2,7 +2,7 @@
 
 One forward pass drafts a block of `B` future tokens. The block `[x0, MASK, ..., MASK]` attends
 bidirectionally to itself and, through KV injection, to projected hidden states of the target
-model at every committed position (SPEC section 1):
+model at every committed position (docs/method.md):
 
     ctx       = hidden_norm(fc(concat(target hidden states of `target_layer_ids`)))   [b, S, H]
     K, V      = [k_proj(ctx) ; k_proj(block)], [v_proj(ctx) ; v_proj(block)]          per layer

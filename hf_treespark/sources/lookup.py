@@ -1,7 +1,7 @@
 """Lookup branches: continuations of the current suffix found earlier in the text, grafted into the tree.
 
 Prompt lookup drafts for free where an answer copies its prompt or repeats itself; the learned
-drafter wins elsewhere. Both kinds of candidate go into the one tree verified per round (SPEC 2c):
+drafter wins elsewhere. Both kinds of candidate go into the one tree verified per round:
 
 1. `lookup_continuations`: the longest suffix of the text so far (prompt and output; `n` tokens,
    `n = 3, 2, 1`) that also occurs earlier; the `L` tokens that followed its most recent occurrence
@@ -227,13 +227,14 @@ def graft_nodes(pool: Candidates, nodes: list[tuple[int, int, float]], source: s
     """`pool` (batch size 1) with `nodes` merged in: `(parent, token, log_step)`, `parent` -1 for the root or the
     index of an earlier node of the list. A node whose token equals a child its parent already has IS that child
     (its score the larger of the two); the others are new candidates, scored `score(parent) + log_step` and
-    flagged in `Candidates.<source>` ("lookup" or "retrieved"); nodes an earlier source added keep their flag."""
+    flagged in `Candidates.flags[source]` (a source's flag name: "lookup", "retrieved" for the datastore, a
+    registered source's name); nodes an earlier source added keep their flag."""
     if not nodes:
         return pool
     tokens, parents = pool.tokens[0].tolist(), pool.parents[0].tolist()
     depths, scores = pool.depths[0].tolist(), pool.scores[0].tolist()
-    flags = {name: getattr(pool, name)[0].tolist() if getattr(pool, name) is not None else [False] * len(tokens)
-             for name in ("lookup", "retrieved")}
+    flags = {name: flag[0].tolist() for name, flag in pool.flags.items()}
+    flags.setdefault(source, [False] * len(tokens))
     child = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens, strict=True))}
     where = []  # pool index of each of `nodes`
     for parent, token, step in nodes:
@@ -253,13 +254,11 @@ def graft_nodes(pool: Candidates, nodes: list[tuple[int, int, float]], source: s
             scores[node] = max(scores[node], score)
         where.append(node)
     like = pool.tokens
-    as_flag = lambda name: torch.tensor([flags[name]], dtype=torch.bool, device=like.device)  # noqa: E731
     return Candidates(
         tokens=torch.tensor([tokens], dtype=like.dtype, device=like.device),
         parents=torch.tensor([parents], dtype=pool.parents.dtype, device=like.device),
         depths=torch.tensor([depths], dtype=pool.depths.dtype, device=like.device),
         scores=torch.tensor([scores], dtype=pool.scores.dtype, device=like.device),
         packed=None, node_index=None, expansions=pool.expansions,
-        lookup=as_flag("lookup") if source == "lookup" or pool.lookup is not None else None,
-        retrieved=as_flag("retrieved") if source == "retrieved" or pool.retrieved is not None else None,
+        flags={name: torch.tensor([flag], dtype=torch.bool, device=like.device) for name, flag in flags.items()},
     )

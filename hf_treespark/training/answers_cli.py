@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from ..help_format import add_device_option, resolve_device
 from .prompt_supply import SELF_SOURCE, SOURCES
 
 HELP = "the target's own answers to an endless prompt supply, continuously batched (resumable; see --help)"
@@ -43,14 +44,14 @@ def add_arguments(p) -> None:
                    help="the temperature 'self' writes its questions at")
     p.add_argument("--shard-answers", type=int, default=256, help="answers per shard (a crash loses at most these)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    add_device_option(p, help="where the target runs: cpu, cuda or cuda:N; auto: cuda when this machine has a CUDA "
+                              "GPU, else cpu")
     p.add_argument("--output-dir", required=True, help="where the shards go; rerun to resume")
 
 
 def check_arguments(args) -> list[str]:
-    """Every option checked before anything loads; returns the prompt sources."""
-    from .distill import check_device
-
+    """Every option checked before anything loads (`args.device` resolved here: "auto" becomes cpu or cuda); returns
+    the prompt sources."""
     for flag, value in {"--num-prompts": args.num_prompts, "--slots": args.slots,
                         "--max-new-tokens": args.max_new_tokens, "--max-prompt-tokens": args.max_prompt_tokens,
                         "--shard-answers": args.shard_answers}.items():
@@ -69,7 +70,7 @@ def check_arguments(args) -> list[str]:
         raise ValueError(f"--prompts {args.prompts}: a source is listed twice")
     if Path(args.output_dir).exists() and not Path(args.output_dir).is_dir():
         raise ValueError(f"--output-dir {args.output_dir} is a file: give a directory")
-    check_device(args.device)
+    args.device = str(resolve_device(args.device, kinds=("cpu", "cuda")))
     return sources
 
 

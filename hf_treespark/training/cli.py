@@ -1,7 +1,7 @@
 """Train a TreeSpark drafter from the command line: `treespark train` and `examples/train_drafter.py`.
 
-    # offline default target, the shared regenerated ShareGPT responses, TreeSpark losses
-    treespark train --target default --data ../shared/data/sharegpt_smollm2_regen.jsonl \\
+    # offline default target, the target's own answers shipped in training_data/, TreeSpark losses
+    treespark train --target default --data training_data/sharegpt_turns_smollm2_regen.jsonl.gz \\
         --preset treespark --output-dir runs/treespark
 
     # chats and plain text (a sequence per assistant turn; windows of text), L_ce towards the target's own argmax
@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import sys
 from pathlib import Path
 
 from .objective import LABELS
@@ -41,7 +42,7 @@ LOSS_KEYS = ("ce", "l1", "conf", "surv", "cov", "gamma", "coverage_top_j", "cove
              "replay_anchors")  # the fields of objective.LossConfig (kept in step by a test)
 
 DRAFT_LAYERS = 2  # a fresh drafter's transformer layers when --draft-layers is not given
-DEFAULT_MASK_TOKEN_ID = 16  # SmolLM2: a code-corpus marker chat text never produces (SPEC section 6)
+DEFAULT_MASK_TOKEN_ID = 16  # SmolLM2: a code-corpus marker chat text never produces
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -455,8 +456,30 @@ def dev_references(args: argparse.Namespace, target, tokenizer, accelerator, out
     return load_references(path)
 
 
-def run(args: argparse.Namespace) -> int:
-    """Train as the options say; save the drafter to OUTPUT_DIR/final (and push it if asked)."""
+def run(args: argparse.Namespace, prog: str = "treespark train") -> int:
+    """Train as the options say; save the drafter to OUTPUT_DIR/final (and push it if asked). Ctrl-C ends the run
+    with one line saying where a rerun resumes (a checkpoint is published whole or not at all, `publish_state`),
+    exit status 130."""
+    try:
+        return _train(args)
+    except KeyboardInterrupt:
+        pass
+    # here, after the handler: the interrupted frames are gone, and with them the progress bar they held (closed on
+    # release), so this line comes last
+    print(interrupted_message(Path(args.output_dir), prog), file=sys.stderr)
+    return 130
+
+
+def interrupted_message(out: Path, prog: str) -> str:
+    """What an interrupted run in `out` says: the checkpoint a rerun resumes from, if there is one."""
+    published = sorted(path for path in (out / "checkpoints").glob("step-*") if path.is_dir())
+    if not published:
+        return f"{prog}: interrupted before its first checkpoint; rerun the same command to start again"
+    return f"{prog}: interrupted; rerun the same command to resume from its last checkpoint, {published[-1]}"
+
+
+def _train(args: argparse.Namespace) -> int:
+    """`run` itself."""
     from .datastore_inputs import load_tokenizer
     from .objective import LossConfig
     from .text_references import load_training_data
@@ -534,4 +557,4 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=DefaultsHelpFormatter)
     add_arguments(parser)
-    return run_script(parser, run, argv)
+    return run_script(parser, functools.partial(run, prog=parser.prog), argv)

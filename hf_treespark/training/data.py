@@ -1,12 +1,12 @@
 """The data side of drafter training: prompts, regenerated references, and batches of reference sequences.
 
-Three steps (SPEC section 4):
+Three steps (docs/method.md, training):
 
 1. **Prompts** from ShareGPT, JSONL files or `datasets` datasets, optionally mixed with weights
    (`mix_prompts`, `parse_mixture("sharegpt:0.6,code.jsonl:0.4")`).
 2. **Regeneration**: the target answers every prompt in its deployed decoding mode (greedy by default), so the
    drafter learns the target's own continuations. Output is a JSONL file, one line per prompt, in the format of
-   `shared/data/sharegpt_smollm2_regen.jsonl`; runs resume where an interrupted one stopped.
+   the files in `training_data/` (its README); runs resume where an interrupted one stopped.
 3. **References**: `prompt_ids + response_ids` per line, truncated, served by `ReferenceDataset` and batched by
    `collate_references`.
 """
@@ -137,7 +137,7 @@ def _record_to_messages(record: dict, field: str | None = None) -> list[dict[str
 
 def sharegpt_chat_prompts(split: str = "train", limit: int | None = None, min_chars: int = 16) -> list[Prompt]:
     """ShareGPT V3's first human turns (`assets.sharegpt_first_turns`) as chat `Prompt`s, as in
-    `shared/data/README.md`. ShareGPT ids repeat (123 do in the 17,671 complete records), so a prompt's id is
+    `training_data/README.md`. ShareGPT ids repeat (123 do in the 17,671 complete records), so a prompt's id is
     `"{record id}@{position}"`. `split="train"`: file positions < 12,000; `"heldout"`: 12,000 to 13,999
     (evaluation); `"tail"`: 14,000 on (training data beyond the held-out band, `assets.SHAREGPT_TAIL_POSITION`).
     """
@@ -428,7 +428,7 @@ def regenerate_responses(target, tokenizer, prompts: Iterable[Prompt], out_path:
     `padding_side` (pad id: `tokenizer.pad_token_id`, else EOS), decoded greedily unless `do_sample` (greedy is
     the deployed decoding mode), and each response is cut after its first EOS (the target's generation-config
     EOS ids and the tokenizer's), the EOS kept. One line per prompt: `{"id", "source", "prompt" (last user
-    text), "prompt_ids", "response_ids", "response"}`, the format of `shared/data/sharegpt_smollm2_regen.jsonl`.
+    text), "prompt_ids", "response_ids", "response"}`, the format of `training_data/`'s files.
 
     Resuming: the file is flushed (and fsynced) after every batch, so a crash loses at most one batch; on the next
     call, ids already in the file are skipped and a half-written last line is dropped. Pending prompts are sorted

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from ..help_format import add_device_option, resolve_device
 from .depth1 import (
     Depth1Trainer,
     PositionShards,
@@ -86,9 +87,9 @@ def add_arguments(p) -> None:
                                       "as train-depth1's)")
     p.add_argument("--eval-every", type=int, default=500, help="optimizer steps between development evaluations")
     p.add_argument("--save-every", type=int, default=500, help="optimizer steps between checkpoints")
-    p.add_argument("--device", default="cpu",
-                   help="where the target, the drafter and the training step run: cpu, cuda or cuda:N (the positions "
-                        "and the shuffle buffer stay there too)")
+    add_device_option(p, help="where the target, the drafter and the training step run (the positions and the "
+                              "shuffle buffer stay there too): cpu, cuda or cuda:N; auto: cuda when this machine has "
+                              "a CUDA GPU, else cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", required=True,
                    help="checkpoint, metrics.jsonl, development positions and the trained drafter (final/); rerun "
@@ -96,7 +97,8 @@ def add_arguments(p) -> None:
 
 
 def check_arguments(args) -> list[str]:
-    """Every option checked before anything loads; returns the sources (`check_sources`)."""
+    """Every option checked before anything loads (`args.device` resolved here: "auto" becomes cpu or cuda); returns
+    the sources (`check_sources`)."""
     least = {"--max-length": (args.max_length, 2), "--batch-size": (args.batch_size, 1),
              "--train-batch-size": (args.train_batch_size, 1), "--buffer-positions": (args.buffer_positions, 1),
              "--max-positions": (args.max_positions, 1), "--width": (args.width, 1),
@@ -118,24 +120,8 @@ def check_arguments(args) -> list[str]:
                          "runs/treespark/final)")
     if args.dev_data and not Path(args.dev_data).is_file():
         raise ValueError(f"--dev-data {args.dev_data}: no such file")
-    check_device(args.device)
+    args.device = str(resolve_device(args.device, kinds=("cpu", "cuda")))
     return check_sources(list(args.sources))
-
-
-def check_device(device: str) -> None:
-    """`--device` names a device torch can use here: cpu, or cuda[:N] with such a GPU present."""
-    try:
-        parsed = torch.device(device)
-    except RuntimeError:
-        raise ValueError(f"--device {device!r} is not a device: use cpu, cuda or cuda:N") from None
-    if parsed.type == "cpu":
-        return
-    if parsed.type != "cuda":
-        raise ValueError(f"--device {device}: distil runs on cpu or cuda[:N]")
-    count = torch.cuda.device_count()
-    if parsed.index is not None and parsed.index >= count or count == 0:
-        raise ValueError(f"--device {device}: this machine has {count or 'no'} CUDA GPU{'s' * (count != 1)}; use "
-                         "--device cpu" + (f" or cuda:0..{count - 1}" if count else ""))
 
 
 def claim_output_dir(out: Path, run: dict[str, str]) -> None:

@@ -1,4 +1,4 @@
-"""Drafter training objectives (SPEC section 4). Each returns `(numerator, denominator)`.
+"""Drafter training objectives (docs/method.md). Each returns `(numerator, denominator)`.
 
 Every loss is a weighted sum divided by the sum of its valid weights. Returning the two parts
 lets data-parallel training all-reduce the denominators before dividing (`normalise`), so the

@@ -46,9 +46,10 @@ def hub_failure(err: BaseException) -> str | None:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def push_command(drafter_dir: str | os.PathLike, repo_id: str) -> str:
-    """The `treespark push` command that uploads `drafter_dir` to `repo_id`."""
-    return f"treespark push --drafter {shlex.quote(str(drafter_dir))} --repo-id {shlex.quote(repo_id)}"
+def push_command(drafter_dir: str | os.PathLike, repo_id: str, base_model: str | None = None) -> str:
+    """The `treespark push` command that uploads `drafter_dir` to `repo_id` (with `--base-model` when given)."""
+    command = f"treespark push --drafter {shlex.quote(str(drafter_dir))} --repo-id {shlex.quote(repo_id)}"
+    return command if base_model is None else f"{command} --base-model {shlex.quote(base_model)}"
 
 
 def push_trained_drafter(drafter, repo_id: str, final: Path):

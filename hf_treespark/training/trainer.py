@@ -31,7 +31,7 @@ from .objective import LABELS, LOSS_NAMES, LossConfig, TrainingObjective
 
 logger = logging.getLogger(__name__)
 
-# Preset -> (loss coefficients, drafter config fields). One switch each (SPEC section 4).
+# Preset -> (loss coefficients, drafter config fields). One switch each (docs/method.md).
 PRESETS: dict[str, tuple[dict, dict]] = {
     "dspark": ({"surv": 0.0, "cov": 0.0}, {"head_dim": 128, "tree_topk": 1, "tree_frontier": 1, "tree_budget": 7}),
     "dspark_tree": ({"surv": 0.0, "cov": 0.0}, {"head_dim": 192}),
