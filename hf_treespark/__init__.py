@@ -15,7 +15,8 @@ from .calibration.latency import cached_latency
 from .core.cpu_gemm import pack_linear_layers, unpack_linear_layers
 from .core.tree import DraftTree, TreePolicy, build_tree
 from .decoding import budget, integration
-from .decoding.generation import RoundRecord, TreeSparkCandidateGenerator, TreeSparkGenerateOutput
+from .decoding.generation import TreeSparkCandidateGenerator
+from .decoding.generation_output import RoundRecord, TreeSparkGenerateOutput
 from .decoding.integration import install, uninstall
 from .drafter import modeling_io
 from .drafter.configuration import TreeSparkConfig
@@ -36,9 +37,12 @@ budget.use_cost_table(cached_latency)  # "auto" reads this machine's measured ro
 def generate(target, drafter, input_ids=None, **kwargs):
     """TreeSpark decoding as a plain function: `target.generate(input_ids, assistant_model=drafter, **kwargs)`.
 
-    Accepts every `generate` keyword (`max_new_tokens`, `do_sample`, `streamer`,
-    `return_dict_in_generate`, ...) plus the tree knobs `tree_budget`, `tree_topk`,
-    `tree_depth`, `tree_frontier`, `tree_chain` and `tree_record`.
+    Accepts every `generate` keyword (`max_new_tokens`, `do_sample`, `streamer`, `return_dict_in_generate`, ...)
+    plus the tree knobs (docs/usage.md): `tree_budget` (nodes per round, or "auto"), `tree_topk`, `tree_depth`,
+    `tree_frontier`, `tree_chain` (the tree's shape), `tree_lookup` (prompt-lookup branch length, 0 = off),
+    `tree_gate` (the drafter gate), `tree_datastore` (the datastore: on, off, or another), `tree_sources`
+    (registered branch sources, `{name: value}`), `tree_guard` (hand a slow call to transformers' loop),
+    `tree_record` (keep each round's tree) and `tree_timer` (time each round phase).
     """
     if isinstance(input_ids, (list, tuple)):  # one prompt as a list of token ids
         input_ids = torch.tensor([list(input_ids)], dtype=torch.long, device=target.device)

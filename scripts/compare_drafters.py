@@ -21,7 +21,7 @@ def main() -> None:
 
     import torch
 
-    from hf_treespark.bench.run import SUITES, select_prompts
+    from hf_treespark.bench.suites import SUITES, select_prompts
     from hf_treespark.hub import assets
     from hf_treespark.hub.loading import load_drafter, load_target
 

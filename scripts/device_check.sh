@@ -80,6 +80,7 @@ import argparse, contextlib, io, sys
 import pytest
 import torch
 
+from hf_treespark.bench import methods as bench_methods
 from hf_treespark.bench import run as bench
 from hf_treespark.training import cli as train_cli
 
@@ -102,7 +103,7 @@ def parser(prog, add):
 bench_parser = parser("treespark bench", bench.add_arguments)
 for argv in (bench_args, profile_args):
     args = bench_parser.parse_args(argv[1:])
-    unknown = [m for m in (args.methods or "").split(",") if m and m not in bench.METHODS]
+    unknown = [m for m in (args.methods or "").split(",") if m and m not in bench_methods.METHODS]
     if unknown:
         sys.exit(f"treespark bench: unknown method(s) {unknown}")
 try:

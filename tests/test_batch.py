@@ -204,7 +204,7 @@ def test_bad_batches_are_refused_with_a_message(bad, message):
 def test_float_token_ids_are_refused_by_name():
     target = make_target("llama", "sdpa")
     ids, mask = padded_batch([4, 6], seed=1)
-    from hf_treespark.decoding.generation import check_supported
+    from hf_treespark.decoding.generation_checks import check_supported
 
     with pytest.raises(ValueError, match="dtype"):
         check_supported(target, make_drafter(target), ids.float(), target.generation_config)
@@ -303,7 +303,7 @@ def test_calibrating_batched_acceptance_counts_tokens_per_row_and_round():
 
 
 def test_batch_size_options_are_checked():
-    from hf_treespark.bench.run import batch_sizes_option
+    from hf_treespark.help_format import batch_sizes_option
 
     assert batch_sizes_option("1, 2,16") == [1, 2, 16]
     for bad in ("", "0", "2,x", "-4"):

@@ -8,7 +8,11 @@ import shutil
 import pytest
 import torch
 
+from hf_treespark.bench import batch as bench_batch
+from hf_treespark.bench import methods as bench_methods
+from hf_treespark.bench import report as bench_report
 from hf_treespark.bench import run as bench
+from hf_treespark.bench import suites as bench_suites
 from hf_treespark.cli import commands as cli
 from hf_treespark.drafter.modeling import TreeSparkDrafter
 from hf_treespark.hub import assets
@@ -26,9 +30,9 @@ def test_smoke_run_covers_every_suite_and_method_and_checks_exactness(tmp_path):
     report = json.loads((out / "results.json").read_text())
     assert report["config"]["dtype"] == "float32" and report["config"]["tree_budget"] == 8
     rows = {(r["suite"], r["method"]): r for r in report["results"]}
-    methods = bench.DEFAULT_METHODS + ("baseline_chain", "baseline_datastore")  # all but the guarded defaults
-    assert set(bench.METHODS) - set(methods) == {"treespark_unguarded"}
-    assert set(rows) == {(s, m) for s in bench.SUITES for m in methods}
+    methods = bench_methods.DEFAULT_METHODS + ("baseline_chain", "baseline_datastore")  # all but the guarded defaults
+    assert set(bench_methods.METHODS) - set(methods) == {"treespark_unguarded"}
+    assert set(rows) == {(s, m) for s in bench_suites.SUITES for m in methods}
     for (suite, method), row in rows.items():
         assert row["prompts"] == 1 and row["exact"] == 1, (suite, method)
         assert 0 < row["new_tokens"] <= 8 and row["tokens_per_second"] > 0
@@ -40,7 +44,7 @@ def test_smoke_run_covers_every_suite_and_method_and_checks_exactness(tmp_path):
         # one prompt: its own acceptance length is the row's, and there is no spread yet
         assert row["prompt_acceptance"] == [pytest.approx(row["acceptance_length"])]
         assert row["acceptance_sd"] is None
-        if bench.METHODS[method].drafter is not None:
+        if bench_methods.METHODS[method].drafter is not None:
             # one target forward per round after the prefill, and the by-depth rates are monotone
             assert row["target_forwards"] - row["prompts"] == row["rounds"]
             rates = row["acceptance_by_depth"]
@@ -52,7 +56,7 @@ def test_smoke_run_covers_every_suite_and_method_and_checks_exactness(tmp_path):
     lookup_row = next(line for line in table.splitlines() if line.startswith("| HumanEval | prompt lookup |"))
     assert "| 1.00x |" in lookup_row  # each method against prompt lookup on its suite
     for (suite, method), row in rows.items():  # each drafter method's time in drafter passes and datastore lookups
-        timed = bench.METHODS[method].drafter is not None
+        timed = bench_methods.METHODS[method].drafter is not None
         assert bool(row["phase_seconds"]) == timed, (suite, method)
         if timed:
             assert 0 < row["phase_seconds"]["verify"] < row["seconds"]
@@ -68,10 +72,10 @@ def test_smoke_run_covers_every_suite_and_method_and_checks_exactness(tmp_path):
             assert not row["round_kinds"]
     assert "| suite | method | kind | share of rounds | nodes / round | accepted / node | tokens / round |" in table
     assert "| HumanEval | TreeSpark + lookup + datastore | drafter |" in table
-    # every pair of bench.PAIRS whose methods ran did so on every suite, so each appears in the paired table
-    ran = [p for p in bench.PAIRS if set(p) <= set(methods)]
-    assert len(ran) == len(bench.PAIRS) - 1
-    assert len(report["paired_differences"]) == len(ran) * len(bench.SUITES)
+    # every pair of bench_report.PAIRS whose methods ran did so on every suite, so each appears in the paired table
+    ran = [p for p in bench_report.PAIRS if set(p) <= set(methods)]
+    assert len(ran) == len(bench_report.PAIRS) - 1
+    assert len(report["paired_differences"]) == len(ran) * len(bench_suites.SUITES)
     assert "Paired per-prompt differences" in table
     assert table.count("| HumanEval |") >= len(methods)
     for name in ("acceptance_length.png", "acceptance_by_depth.png"):
@@ -80,7 +84,7 @@ def test_smoke_run_covers_every_suite_and_method_and_checks_exactness(tmp_path):
 
 def test_paired_differences_cancel_the_spread_the_methods_share():
     def row(method, per_prompt):
-        return {"suite": "mtbench", "method": method, "label": bench.METHODS[method].label,
+        return {"suite": "mtbench", "method": method, "label": bench_methods.METHODS[method].label,
                 "prompt_acceptance": per_prompt,
                 "acceptance_length": sum(per_prompt) / len(per_prompt) if per_prompt else None}
 
@@ -88,7 +92,7 @@ def test_paired_differences_cancel_the_spread_the_methods_share():
     chain = [1.2, 2.0, 3.0, 1.5]
     tree = [1.4, 2.2, 3.2, 1.9]
     report = {"results": [row("dspark", chain), row("dspark_tree", tree), row("plain", [])]}
-    (pair,) = bench.paired_differences(report)
+    (pair,) = bench_report.paired_differences(report)
     assert (pair["method"], pair["baseline"]) == ("dspark_tree", "dspark")
     assert pair["mean"] == pytest.approx(0.25)
     assert pair["sd"] == pytest.approx(0.1)  # stdev of [0.2, 0.2, 0.2, 0.4]
@@ -96,7 +100,7 @@ def test_paired_differences_cancel_the_spread_the_methods_share():
     assert pair["ratio"] == pytest.approx(sum(tree) / sum(chain))
     # a baseline measured on other prompts (another count) is not paired
     report["results"][0]["prompt_acceptance"] = chain[:3]
-    assert bench.paired_differences(report) == []
+    assert bench_report.paired_differences(report) == []
 
 
 def test_a_wrong_output_fails_the_run_after_writing_the_results(tmp_path, monkeypatch):
@@ -171,11 +175,11 @@ def test_profile_of_batches_counts_rounds_and_acceptance_per_row(tmp_path, monke
 
 
 def test_each_method_keeps_one_colour_whichever_methods_a_plot_shows():
-    every = bench.method_colours(bench.METHODS)
-    assert len(set(every.values())) == len(bench.METHODS)  # no two methods share a colour
-    tree_only = bench.method_colours(["treespark", "dspark_tree"])  # the by-depth plot has no plain greedy
+    every = bench_report.method_colours(bench_methods.METHODS)
+    assert len(set(every.values())) == len(bench_methods.METHODS)  # no two methods share a colour
+    tree_only = bench_report.method_colours(["treespark", "dspark_tree"])  # the by-depth plot has no plain greedy
     assert tree_only == {"treespark": every["treespark"], "dspark_tree": every["dspark_tree"]}
-    assert bench.method_colours(["mine", "treespark"])["treespark"] == every["treespark"]
+    assert bench_report.method_colours(["mine", "treespark"])["treespark"] == every["treespark"]
 
 
 def test_both_plots_draw_a_method_in_the_same_colour(tmp_path, monkeypatch):
@@ -183,13 +187,13 @@ def test_both_plots_draw_a_method_in_the_same_colour(tmp_path, monkeypatch):
     import matplotlib.pyplot as plt
     from matplotlib.colors import to_hex
 
-    rows = [{"suite": "mtbench", "method": m, "label": bench.METHODS[m].label, "acceptance_length": 1.0 + i / 4,
+    rows = [{"suite": "mtbench", "method": m, "label": bench_methods.METHODS[m].label, "acceptance_length": 1.0 + i / 4,
              "acceptance_by_depth": [] if m in ("plain", "prompt_lookup") else [0.6, 0.3, 0.1]}
-            for i, m in enumerate(bench.METHODS)]
+            for i, m in enumerate(bench_methods.METHODS)]
     report = {"results": rows, "config": {"dtype": "fp32", "tree_budget": 8}}
     figures = []
     monkeypatch.setattr(plt, "close", figures.append)  # keep the figures to inspect their artists
-    bench.plot_report(report, tmp_path)
+    bench_report.plot_report(report, tmp_path)
     bars, depth = figures
     bar_colours = {c.get_label(): to_hex(c.patches[0].get_facecolor()) for c in bars.axes[0].containers}
     line_colours = {line.get_label(): to_hex(line.get_color()) for line in depth.axes[0].get_lines()}
@@ -210,7 +214,7 @@ def test_batch_rows_are_compared_at_one_width_so_padding_alone_is_no_divergence(
     # the same row in a batch made two tokens wider by another row: only padding differs
     wider = torch.cat([plain, torch.full((1, 2), pad)], dim=1)
     assert not check_greedy_equivalence(target, plain, wider).ok  # as the tensors stand, a "divergence"
-    reference, candidate = bench.same_width(plain, wider, pad)
+    reference, candidate = bench_batch.same_width(plain, wider, pad)
     assert reference.shape == candidate.shape
     assert check_greedy_equivalence(target, reference, candidate).ok
     # a row that goes on where the other one's batch has padding is still checked at that token (bf16: the
@@ -218,6 +222,6 @@ def test_batch_rows_are_compared_at_one_width_so_padding_alone_is_no_divergence(
     went_on = plain.clone()
     ended = plain.clone()
     ended[0, -2:] = pad
-    reference, candidate = bench.same_width(ended[:, :-1], went_on, pad)
+    reference, candidate = bench_batch.same_width(ended[:, :-1], went_on, pad)
     report = check_greedy_equivalence(target, reference, candidate)
     assert report.position == plain.shape[1] - 2 and not report.ok

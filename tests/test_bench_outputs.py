@@ -7,7 +7,6 @@ import importlib
 import pytest
 
 from hf_treespark.bench import report as bench_report
-from hf_treespark.bench import run as bench
 from hf_treespark.cli import commands as cli
 
 
@@ -51,7 +50,7 @@ def test_results_go_to_a_fallback_directory_when_the_output_dir_fails_at_the_end
         return [out_dir / "results.json"]
 
     monkeypatch.setattr(bench_report, "write_report", write_report)  # what save_report calls
-    paths = bench.save_report({"results": []}, tmp_path / "gone")
+    paths = bench_report.save_report({"results": []}, tmp_path / "gone")
     assert len(written) == 1 and written[0].name.startswith("treespark-bench-")
     assert paths == [written[0] / "results.json"]
     err = capsys.readouterr().err

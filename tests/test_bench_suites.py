@@ -12,6 +12,7 @@ import transformers
 from conftest import make_drafter
 from transformers import AutoTokenizer
 
+from hf_treespark.bench import methods as bench_methods
 from hf_treespark.bench import run as bench
 from hf_treespark.bench import suites as bench_suites
 from hf_treespark.bench.suites import ALL_SUITES, SUITES, SuitePrompt
@@ -162,10 +163,11 @@ def test_the_datastore_methods_read_a_copy_of_the_store_grown_with_the_first_ans
     copy.add([40, 41, 42, 43])  # frozen: what generate adds during the suite is not kept
     assert copy.lookup([40, 41, 42])[0] == 0
     assert bench._grown_datastores({"treespark": drafter}, [SuitePrompt({})]) == {}  # single-turn suites
-    with_store = bench._with_datastore(bench.METHODS["treespark_datastore"], grown)
+    with_store = bench._with_datastore(bench_methods.METHODS["treespark_datastore"], grown)
     assert with_store.kwargs["tree_datastore"] is copy and with_store.name == "treespark_datastore"
-    assert bench._with_datastore(bench.METHODS["treespark_lookup"], grown) is bench.METHODS["treespark_lookup"]
-    assert bench.METHODS["treespark_datastore"].kwargs["tree_datastore"] is True
+    lookup_only = bench_methods.METHODS["treespark_lookup"]
+    assert bench._with_datastore(lookup_only, grown) is lookup_only
+    assert bench_methods.METHODS["treespark_datastore"].kwargs["tree_datastore"] is True
 
 
 def test_a_multiturn_bench_gives_the_datastore_method_the_grown_store_and_stays_exact(tokenizer, monkeypatch):

@@ -15,7 +15,7 @@ from test_generation import chi_square_ok, make_oracle, prompt
 from test_lookup import second_token_marginal
 
 from hf_treespark import TreeSparkConfig, TreeSparkDrafter
-from hf_treespark.decoding.generation import resolve_datastore
+from hf_treespark.decoding.generation_checks import resolve_datastore
 from hf_treespark.sources import datastore
 from hf_treespark.sources.datastore import DATASTORE_FILE, MAX_MATCH, Datastore, DatastoreError
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from hf_treespark.cli.commands import main as treespark_main
-from hf_treespark.decoding.generation import RoundRecord
+from hf_treespark.decoding.generation_output import RoundRecord
 from hf_treespark.demo import run as demo_run
 from hf_treespark.demo.page import (
     DATASTORE_COLOUR,

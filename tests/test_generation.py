@@ -20,7 +20,8 @@ from hf_treespark.core.verify import (
     tree_attention_mask,
     tree_position_ids,
 )
-from hf_treespark.decoding.generation import TreeSparkCandidateGenerator, resolve_gate
+from hf_treespark.decoding.generation import TreeSparkCandidateGenerator
+from hf_treespark.decoding.generation_checks import resolve_gate
 
 
 class OracleDrafter(TreeSparkDrafter):
@@ -415,7 +416,7 @@ def test_refusals_are_clear(llama_pair):
     flash = make_target("llama")
     flash.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match="4D tree attention mask"):
-        hf_treespark.decoding.generation.check_supported(flash, drafter, ids, flash.generation_config)
+        hf_treespark.decoding.generation_checks.check_supported(flash, drafter, ids, flash.generation_config)
 
 
 def test_unsupported_outputs_and_inputs_embeds_are_refused_by_name(llama_pair):

@@ -278,3 +278,26 @@ def test_hf_treespark_no_patch_keeps_transformers_untouched_at_import(value, rou
     done = subprocess.run([sys.executable, "-c", _IMPORT], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == f"routed {routed} loader {routed} registered treespark"
+
+
+def test_the_generate_function_documents_every_tree_knob():
+    """`hf_treespark.generate`'s docstring names every `tree_*` keyword the loop takes (the list cannot drift)."""
+    import inspect
+
+    import hf_treespark
+    from hf_treespark.decoding.generation import treespark_decoding
+    from hf_treespark.decoding.integration import TREE_KWARGS
+
+    taken = [name for name in inspect.signature(treespark_decoding).parameters if name.startswith("tree_")]
+    assert set(taken) == set(TREE_KWARGS)
+    assert not [name for name in taken if f"`{name}`" not in hf_treespark.generate.__doc__]
+
+
+def test_the_api_page_names_every_exported_name():
+    """docs/api.md lists `hf_treespark.__all__`: the public API is the package's `__init__` and that page."""
+    from pathlib import Path
+
+    import hf_treespark
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
+    assert not [name for name in hf_treespark.__all__ if f"`{name}`" not in page]

@@ -38,16 +38,14 @@ from ..help_format import (
     add_device_option,
     add_dtype_option,
     batch_sizes,
-    batch_sizes_option,
     cpu_pack_option,
     refuse_empty_values,
     resolve_device,
 )
 from ..precision import resolve_dtype
-from .batch import batch_inputs, batch_table, run_batch_benchmark, run_batches, same_width
+from .batch import run_batches
 from .methods import (
     DEFAULT_METHODS,
-    LOOKUP_TOKENS,
     METHODS,
     PROMPT_LOOKUP_TOKENS,
     ROLES,
@@ -56,40 +54,21 @@ from .methods import (
     Method,
     MethodResult,
 )
-from .profile import PROFILE_BUDGETS, PROFILE_PHASES, profile_rounds, profile_table, run_profile
+from .profile import run_profile
 from .report import (
-    PAIRS,
-    PLOT_COLOURS,
-    SHARE_COLUMNS,
     check_output_dir,
     markdown_table,
-    method_colours,
     paired_differences,
-    plot_report,
     save_report,
-    write_report,
 )
 from .suites import (
     ALL_SUITES,
     SUITE_LABELS,
     SUITES,
     TARGET_SUITES,
-    select_prompts,
-    suite_inputs,
     suite_max_prompt_tokens,
     suite_prompts,
 )
-
-__all__ = [  # what `from hf_treespark.bench.run import ...` offers (cli.py, scripts, tests), wherever it is defined
-    "BenchmarkError", "DEFAULT_METHODS", "LOOKUP_TOKENS", "METHODS", "Method", "MethodResult", "PROMPT_LOOKUP_TOKENS",
-    "ROLES", "TREE_METHODS", "SUITES", "ALL_SUITES", "SUITE_LABELS", "select_prompts", "suite_inputs", "suite_prompts",
-    "PAIRS", "PLOT_COLOURS",
-    "SHARE_COLUMNS", "check_output_dir", "markdown_table", "method_colours", "paired_differences", "plot_report",
-    "save_report", "write_report", "batch_inputs", "batch_table", "run_batch_benchmark", "same_width",
-    "PROFILE_BUDGETS", "PROFILE_PHASES", "profile_rounds", "profile_table", "batch_sizes_option", "ForwardCounter",
-    "run_benchmark", "add_arguments", "run_from_args", "main",
-]
-
 
 
 class ForwardCounter:

@@ -124,7 +124,7 @@ def cmd_calibrate(args) -> int:
 def _calibration_prompts(args, tokenizer) -> list[dict]:
     """`--num-prompts` tokenised prompts of `--suite` within 512 tokens (ShareGPT: held-out records past those
     the benchmark draws from)."""
-    from ..bench.run import select_prompts
+    from ..bench.suites import select_prompts
     from ..hub import assets
 
     if args.suite == "sharegpt":

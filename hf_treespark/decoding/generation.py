@@ -30,23 +30,16 @@ from .engine import draft_pool
 from .generation_batch import batched_decoding
 from .generation_checks import (
     check_arguments,
-    check_batch,
     check_supported,
     empty_cache,
     left_padding,
-    real_scalar,
     resolve_datastore,
     resolve_gate,
     resolve_policy,
     resolve_sources,
 )
-from .generation_output import RoundRecord, TreeSparkGenerateOutput, acceptance_stats, first_stop, tree_record_dict
+from .generation_output import RoundRecord, TreeSparkGenerateOutput, acceptance_stats, first_stop
 from .session import DecodingSession
-
-# This module's public names and those of the three above, which other modules, tests and user code import from here.
-__all__ = ["RoundRecord", "TreeSparkCandidateGenerator", "TreeSparkGenerateOutput", "acceptance_stats",
-           "batched_decoding", "check_arguments", "check_batch", "check_supported", "real_scalar", "resolve_datastore",
-           "resolve_gate", "resolve_policy", "tree_record_dict", "treespark_decoding"]
 
 
 def _pick(processed: torch.Tensor, do_sample: bool) -> torch.Tensor:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from ..core.tree import TreePolicy
-from ..decoding.generation import RoundRecord
+from ..decoding.generation_output import RoundRecord
 from ..hub.loading import load_drafter
 from .run import (
     LIMITS,

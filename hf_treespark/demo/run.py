@@ -24,7 +24,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from ..calibration.measure import ensure_latency
 from ..core.exactness import check_greedy_equivalence
-from ..decoding.generation import TreeSparkGenerateOutput
+from ..decoding.generation_output import TreeSparkGenerateOutput
 from ..hub import assets
 from ..hub.loading import load_pair
 
