@@ -83,6 +83,12 @@ def _dtype_name(text: str) -> str:
     return DTYPE_ALIASES.get(text, text)
 
 
+def torch_dtype_name(text: str) -> str:
+    """argparse type of a `--dtype` whose choices are torch's names (`treespark export`): the short names every
+    other command takes (`bf16`, `fp32`, `fp16`) are read as those."""
+    return {short: name for name, short in DTYPE_ALIASES.items()}.get(text, text)
+
+
 def resolve_device(text: str, option: str = "--device", kinds: tuple[str, ...] = DEVICE_KINDS) -> torch.device:
     """The `torch.device` that `--device text` names on this machine: "auto" is cuda when `torch.cuda.is_available()`,
     else cpu; cpu, cuda, cuda:N and mps must be present here. Raises `ValueError` in one line naming the option, the

@@ -229,3 +229,20 @@ def test_the_loaders_put_target_and_drafter_on_the_device_they_are_given(tmp_pat
 def test_packing_is_refused_for_a_model_that_is_not_on_the_cpu():
     with pytest.raises(ValueError, match="packs the linear layers of a model on the CPU, and this one is on meta"):
         loading.load_drafter(None, "fp32", device="meta", cpu_pack=True)
+
+
+def test_export_takes_the_short_dtype_names_every_other_command_takes():
+    """`--dtype` is spelled one way: `treespark export --dtype bf16` is `bfloat16`, and `fp16` is refused by name."""
+    import argparse
+
+    import pytest
+
+    from hf_treespark.cli.args import add_export_arguments
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_export_arguments(parser)
+    assert parser.parse_args(["--output", "x", "--dtype", "bf16"]).dtype == "bfloat16"
+    assert parser.parse_args(["--output", "x", "--dtype", "fp32"]).dtype == "float32"
+    assert parser.parse_args(["--output", "x", "--dtype", "bfloat16"]).dtype == "bfloat16"
+    with pytest.raises(argparse.ArgumentError, match="invalid choice"):
+        parser.parse_args(["--output", "x", "--dtype", "fp16"])

@@ -10,7 +10,14 @@ from __future__ import annotations
 import argparse
 import math
 
-from ..help_format import CPU_PACK_CHOICES, CPU_PACK_HELP, add_device_option, add_dtype_option, batch_sizes
+from ..help_format import (
+    CPU_PACK_CHOICES,
+    CPU_PACK_HELP,
+    add_device_option,
+    add_dtype_option,
+    batch_sizes,
+    torch_dtype_name,
+)
 
 TARGET_HELP = "target model name or path (default: offline SmolLM2-135M-Instruct)"
 
@@ -170,8 +177,8 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", required=True, help="new directory for the drafter")
     parser.add_argument("--format", choices=FORMATS, default="drafter",
                         help="drafter: a drafter directory (from_pretrained); dspark: DeepSpec's DSpark layout")
-    parser.add_argument("--dtype", choices=EXPORT_DTYPES, default="bfloat16",
-                        help="precision of the saved weights (the shipped drafter is bfloat16)")
+    parser.add_argument("--dtype", type=torch_dtype_name, choices=EXPORT_DTYPES, default="bfloat16",
+                        help="precision of the saved weights, bf16 or fp32 (the shipped drafter is bf16)")
     parser.add_argument("--target", help="dspark: the target whose embed_tokens and lm_head are copied in ('default': "
                                          "the offline default; default: the target the drafter records)")
     parser.add_argument("--mask-token-id", type=int,
