@@ -3,7 +3,6 @@ exit status 130, no traceback; the same command then resumes there."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -12,30 +11,18 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-from conftest import make_target
-from training_setup import tiny_references
+import test_train_cli
 
 from hf_treespark.cli.commands import main
 from hf_treespark.training import cli as train_cli
+
+tiny_files = test_train_cli.tiny_files  # the fixture: a saved tiny target and its references
 
 REPO = Path(__file__).resolve().parents[1]
 # A drafter small enough for many steps a second, float32 steps (see test_train_cli.TINY)
 TINY = ["--mixed-precision", "no", "--draft-layers", "1", "--heads", "2", "--kv-heads", "1", "--head-dim", "32",
         "--intermediate-size", "64", "--markov-rank", "16", "--mask-token-id", "3", "--anchors", "8", "--lr", "2e-3",
         "--batch-size", "1", "--no-feature-cache"]
-
-
-@pytest.fixture(scope="module")
-def tiny_files(tmp_path_factory):
-    """`(target directory, references JSONL)`: a saved tiny random Llama and 8 of its greedy continuations."""
-    root = tmp_path_factory.mktemp("tiny")
-    target = make_target("llama")
-    target.save_pretrained(root / "target")
-    lines = [json.dumps({"id": r.id, "prompt_ids": r.input_ids[: r.prompt_len],
-                         "response_ids": r.input_ids[r.prompt_len:]}) for r in tiny_references(target)]
-    (root / "refs.jsonl").write_text("\n".join(lines) + "\n")
-    return root / "target", root / "refs.jsonl"
 
 
 def test_ctrl_c_during_training_names_the_checkpoint_a_rerun_resumes_from(tiny_files, tmp_path):

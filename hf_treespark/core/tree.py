@@ -128,8 +128,23 @@ class TreePolicy:
         return total
 
 
+class SourceFlags:
+    """`lookup` and `retrieved`: the flags (`flags[name]`, bool, one column per node or candidate) of the nodes only a
+    lookup branch, or only the datastore, proposed; None where that source added none."""
+
+    flags: dict[str, torch.Tensor]
+
+    @property
+    def lookup(self) -> torch.Tensor | None:
+        return self.flags.get("lookup")
+
+    @property
+    def retrieved(self) -> torch.Tensor | None:
+        return self.flags.get("retrieved")
+
+
 @dataclass
-class DraftTree:
+class DraftTree(SourceFlags):
     """A packed candidate tree per batch row (root at index 0).
 
     tokens:    `[b, N + 1]` token of each node (`tokens[:, 0]` is `x0`).
@@ -151,23 +166,13 @@ class DraftTree:
     flags: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
-    def lookup(self) -> torch.Tensor | None:
-        """`[b, N + 1]` bool: nodes only a lookup branch proposed, or None."""
-        return self.flags.get("lookup")
-
-    @property
-    def retrieved(self) -> torch.Tensor | None:
-        """`[b, N + 1]` bool: nodes only the datastore proposed, or None."""
-        return self.flags.get("retrieved")
-
-    @property
     def num_nodes(self) -> int:
         """Number of non-root nodes `N`."""
         return self.tokens.shape[1] - 1
 
 
 @dataclass
-class Candidates:
+class Candidates(SourceFlags):
     """Every candidate proposed before global packing, in depth-major order (`C` of them).
 
     tokens/parents/depths/scores: `[b, C]`; `parents` index into the candidates (-1 = root).
@@ -186,14 +191,6 @@ class Candidates:
     node_index: torch.Tensor | None
     expansions: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     flags: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    @property
-    def lookup(self) -> torch.Tensor | None:
-        return self.flags.get("lookup")
-
-    @property
-    def retrieved(self) -> torch.Tensor | None:
-        return self.flags.get("retrieved")
 
 
 def build_tree(
