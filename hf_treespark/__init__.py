@@ -40,8 +40,9 @@ def generate(target, drafter, input_ids=None, **kwargs):
     Accepts every `generate` keyword (`max_new_tokens`, `do_sample`, `streamer`, `return_dict_in_generate`, ...)
     plus the tree knobs (docs/usage.md): `tree_budget` (nodes per round, or "auto"), `tree_topk`, `tree_depth`,
     `tree_frontier`, `tree_chain` (the tree's shape), `tree_lookup` (prompt-lookup branch length, 0 = off),
-    `tree_gate` (the drafter gate), `tree_datastore` (the datastore: on, off, or another), `tree_sources`
-    (registered branch sources, `{name: value}`), `tree_guard` (hand a slow call to transformers' loop),
+    `tree_gate` (the drafter gate; "price": the round pricer), `tree_datastore` (the datastore: on, off, or
+    another), `tree_sources` (registered branch sources, `{name: value}`), `tree_guard` (hand a slow call to
+    transformers' loop),
     `tree_record` (keep each round's tree) and `tree_timer` (time each round phase).
     """
     if isinstance(input_ids, (list, tuple)):  # one prompt as a list of token ids

@@ -1,7 +1,7 @@
 """What the `treespark` commands share: `--help` with every default, one-line errors, and the options several
-commands take (`--device`, `--dtype`, `--cpu-pack`, batch sizes) with their checks. It imports no torch at module
-level: the command line is parsed before anything heavy is imported (`treespark --help` answers at once);
-`resolve_device` imports it when a command runs."""
+commands take (`--device`, `--dtype`, `--cpu-pack`); the argparse types that check values are `arg_types`'s. It
+imports no torch at module level: the command line is parsed before anything heavy is imported (`treespark --help`
+answers at once); `resolve_device` imports it when a command runs."""
 
 from __future__ import annotations
 
@@ -22,38 +22,6 @@ DEVICE_HELP = "where the models run: cpu, cuda, cuda:N or mps; auto: cuda when t
 CPU_PACK_CHOICES = ("auto", "on", "off")
 CPU_PACK_HELP = ("linear layers through prepacked oneDNN kernels (cheaper multi-token verify forwards on a CPU); "
                  "auto: on for a CPU with oneDNN")
-
-
-MAX_BATCH_SIZE = 256  # rows of `--batch-size(s)`; why: `_batch_sizes`'s error
-
-
-def batch_sizes_option(text: str, option: str = "--batch-size") -> list[int]:
-    """`--batch-size 1,2,4`: whole numbers in [1, MAX_BATCH_SIZE] (the error says why the bound). Raises
-    `ValueError` naming the option."""
-    return _batch_sizes(text, f"{option} {text!r}: ")
-
-
-def batch_sizes(text: str) -> list[int]:
-    """argparse type of `--batch-size(s) B[,B...]` (see `batch_sizes_option`): an empty value is refused."""
-    try:
-        return _batch_sizes(text, "")
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
-def _batch_sizes(text: str, prefix: str) -> list[int]:
-    if not str(text).strip():
-        raise ValueError(f"{prefix}is empty: give batch sizes, e.g. 1,2,4,8,16")
-    parts = [part.strip() for part in str(text).split(",")]
-    if not all(part.isascii() and part.isdigit() and int(part) > 0 for part in parts):
-        raise ValueError(f"{prefix}expected whole numbers >= 1 separated by commas, e.g. 1,2,4,8,16; got {text!r}")
-    sizes = [int(part) for part in parts]
-    if max(sizes) > MAX_BATCH_SIZE:
-        raise ValueError(f"{prefix}batch size {max(sizes)} is more than {MAX_BATCH_SIZE}, the most allowed: every "
-                         "row keeps its own key/value cache, tree and logits (256 rows of the default target over "
-                         "256 cached tokens already hold 3 GB of float32 cache), and on a CPU TreeSpark's batched "
-                         f"speedup is near 1.0x by 16 rows; choose sizes in 1-{MAX_BATCH_SIZE}")
-    return sizes
 
 
 def refuse_empty_values(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

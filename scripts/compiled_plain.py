@@ -24,20 +24,10 @@ from __future__ import annotations
 import argparse
 import time
 
-from script_args import at_least
+from script_args import at_least, names_from
 
 DTYPE_NAMES = ("fp32", "bf16", "fp16")
 MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
-
-
-def dtype_list(text: str) -> list[str]:
-    """argparse type: comma-separated precisions from `DTYPE_NAMES`, at least one, none twice."""
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in DTYPE_NAMES]
-    if not names or unknown or len(set(names)) != len(names):
-        raise argparse.ArgumentTypeError(f"expected comma-separated precisions from {', '.join(DTYPE_NAMES)}, each "
-                                         f"once; got {text!r}")
-    return names
 
 
 def compile_config(mode: str):
@@ -119,7 +109,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--dtypes", type=dtype_list, default="bf16,fp32", help=f"from {', '.join(DTYPE_NAMES)}")
+    p.add_argument("--dtypes", type=names_from(DTYPE_NAMES), default="bf16,fp32", help=f"from {', '.join(DTYPE_NAMES)}")
     p.add_argument("--num-prompts", type=at_least(1), default=3, help="MT-Bench prompts (bench_suites)")
     p.add_argument("--max-new-tokens", type=at_least(1), default=64)
     p.add_argument("--compile-mode", choices=MODES, default="default",

@@ -20,29 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from script_args import whole_numbers  # noqa: E402
-
-
-def at_least_one(text: str) -> int:
-    """argparse type: a whole number >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
-    return value
-
-
-def positive(text: str) -> float:
-    """argparse type: a finite number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
-    return value
+from script_args import at_least, positive_number, whole_numbers  # noqa: E402
 
 
 def measure(target, drafter, windows, batch_size: int, args) -> dict:
@@ -79,14 +57,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch-sizes", type=whole_numbers, default=[1, 4, 8], help="windows per target forward")
     p.add_argument("--max-lengths", type=whole_numbers, default=[256, 512], help="tokens per window")
-    p.add_argument("--batches", type=at_least_one, default=2, help="timed batches per row")
-    p.add_argument("--train-steps", type=at_least_one, default=5, help="timed optimizer steps per row")
-    p.add_argument("--train-batch-size", type=at_least_one, default=256, help="positions per optimizer step")
-    p.add_argument("--passes", type=positive, default=1.0, help="optimizer samples per position, for end to end")
+    p.add_argument("--batches", type=at_least(1), default=2, help="timed batches per row")
+    p.add_argument("--train-steps", type=at_least(1), default=5, help="timed optimizer steps per row")
+    p.add_argument("--train-batch-size", type=at_least(1), default=256, help="positions per optimizer step")
+    p.add_argument("--passes", type=positive_number, default=1.0, help="optimizer samples per position, for end to end")
     p.add_argument("--positions", choices=("assistant", "all"), default="assistant")
     p.add_argument("--anchors", choices=("agreeing", "all"), default="agreeing",
                    help="agreeing: positions whose token is the target's argmax at the one before (distil's default)")
-    p.add_argument("--width", type=at_least_one, default=2048, help="the depth-1 head's MLP width")
+    p.add_argument("--width", type=at_least(1), default=2048, help="the depth-1 head's MLP width")
     p.add_argument("--dtype", default="auto", help="the target's dtype")
     args = p.parse_args()
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from script_args import existing_file
+from script_args import existing_file, output_file_and_folders
 
 FIELDS = ("anchors_seen", "dev_acceptance_length", "dev_depth_rates")
 
@@ -20,15 +20,6 @@ def run_spec(text: str) -> tuple[str, str]:
     if not sep:
         raise argparse.ArgumentTypeError(f"{text!r}: give LABEL=METRICS_JSONL")
     return label, existing_file(path)
-
-
-def output_png(text: str) -> str:
-    path = Path(text)
-    if path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text} is a directory: give the figure's file name, e.g. runs.png")
-    if any(p.exists() and not p.is_dir() for p in path.parents):
-        raise argparse.ArgumentTypeError(f"{text}: a folder on its path is a file")
-    return text
 
 
 def read_rows(parser: argparse.ArgumentParser, path: str) -> list[dict]:
@@ -53,7 +44,7 @@ def read_rows(parser: argparse.ArgumentParser, path: str) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out_png", type=output_png)
+    parser.add_argument("out_png", type=output_file_and_folders)
     parser.add_argument("runs", type=run_spec, nargs="+", help="LABEL=METRICS_JSONL")
     args = parser.parse_args()
 

@@ -16,7 +16,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from script_args import at_least, drafter_dir, existing_file
+from script_args import at_least, auto_or_at_least, drafter_dir, existing_file
 
 
 def keep_unchanged_datastore(shipped: Path, staged: Path) -> None:
@@ -34,22 +34,12 @@ def keep_unchanged_datastore(shipped: Path, staged: Path) -> None:
         shutil.copyfile(shipped, staged)
 
 
-def tree_budget(text: str) -> str | int:
-    """argparse type of `--budget`: "auto" or a whole number >= 1."""
-    if text == "auto":
-        return text
-    try:
-        return at_least(1)(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"must be 'auto' or a whole number >= 1, got {text!r}") from None
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("drafter", type=drafter_dir, help="trained drafter directory (e.g. runs/treespark/final)")
     parser.add_argument("--table", type=existing_file,
                         help="markdown file with the acceptance table for the model card")
-    parser.add_argument("--budget", type=tree_budget, default="auto",
+    parser.add_argument("--budget", type=auto_or_at_least(1), default="auto",
                         help="tree budget to ship ('auto' or an integer)")
     parser.add_argument("--lookup", type=at_least(0), default=0, help="tokens per lookup branch to ship (0 = off)")
     args = parser.parse_args(argv)

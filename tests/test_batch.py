@@ -303,7 +303,7 @@ def test_calibrating_batched_acceptance_counts_tokens_per_row_and_round():
 
 
 def test_batch_size_options_are_checked():
-    from hf_treespark.help_format import batch_sizes_option
+    from hf_treespark.arg_types import batch_sizes_option
 
     assert batch_sizes_option("1, 2,16") == [1, 2, 16]
     for bad in ("", "0", "2,x", "-4"):

@@ -30,8 +30,8 @@ def test_smoke_run_covers_every_suite_and_method_and_checks_exactness(tmp_path):
     report = json.loads((out / "results.json").read_text())
     assert report["config"]["dtype"] == "float32" and report["config"]["tree_budget"] == 8
     rows = {(r["suite"], r["method"]): r for r in report["results"]}
-    methods = bench_methods.DEFAULT_METHODS + ("baseline_chain", "baseline_datastore")  # all but the guarded defaults
-    assert set(bench_methods.METHODS) - set(methods) == {"treespark_unguarded"}
+    methods = bench_methods.DEFAULT_METHODS + ("baseline_chain", "baseline_datastore")  # all but the opt-in A/Bs
+    assert set(bench_methods.METHODS) - set(methods) == {"treespark_unguarded", "treespark_priced"}
     assert set(rows) == {(s, m) for s in bench_suites.SUITES for m in methods}
     for (suite, method), row in rows.items():
         assert row["prompts"] == 1 and row["exact"] == 1, (suite, method)
@@ -60,26 +60,85 @@ def test_smoke_run_covers_every_suite_and_method_and_checks_exactness(tmp_path):
         assert bool(row["phase_seconds"]) == timed, (suite, method)
         if timed:
             assert 0 < row["phase_seconds"]["verify"] < row["seconds"]
-        if method == "treespark_datastore":
-            assert row["phase_seconds"]["datastore"] > 0
+        if method == "treespark_datastore":  # the round pricer may leave the datastore out of every round
+            assert row["phase_seconds"].get("datastore", 1.0) > 0
         if timed:  # every round by kind: counts, nodes and tokens add up to the row's
             kinds = row["round_kinds"]
-            assert set(kinds) <= {"drafter", "lookup", "gated", "probe"} and "drafter" in kinds, (suite, method)
+            assert set(kinds) <= {"drafter", "lookup", "gated", "probe"}, (suite, method)
+            if not bench_methods.METHODS[method].kwargs.get("tree_lookup"):  # with lookup, every round may be priced
+                assert "drafter" in kinds, (suite, method)  # as the best lookup branch alone
             assert sum(k[0] for k in kinds.values()) == row["rounds"]
             assert sum(k[3] for k in kinds.values()) == row["new_tokens"] - 1  # the prefill commits the first
             assert 0 < sum(k[4] for k in kinds.values()) < row["seconds"]
         else:
             assert not row["round_kinds"]
+        assert_shares_add_up(row, timed)
     assert "| suite | method | kind | share of rounds | nodes / round | accepted / node | tokens / round |" in table
-    assert "| HumanEval | TreeSpark + lookup + datastore | drafter |" in table
+    assert any(f"| HumanEval | TreeSpark + lookup + datastore | {kind} |" in table  # priced: maybe lookup rounds only
+               for kind in ("drafter", "lookup"))
     # every pair of bench_report.PAIRS whose methods ran did so on every suite, so each appears in the paired table
     ran = [p for p in bench_report.PAIRS if set(p) <= set(methods)]
-    assert len(ran) == len(bench_report.PAIRS) - 1
+    assert len(ran) == len(bench_report.PAIRS) - 2  # not the two opt-in A/Bs
     assert len(report["paired_differences"]) == len(ran) * len(bench_suites.SUITES)
     assert "Paired per-prompt differences" in table
+    shares = assert_sources_table_adds_up(table, rows)
+    assert set(shares) == {(s, METHOD_LABELS[m]) for s, m in rows if bench_methods.METHODS[m].drafter is not None}
     assert table.count("| HumanEval |") >= len(methods)
     for name in ("acceptance_length.png", "acceptance_by_depth.png"):
         assert (out / name).read_bytes()[:8] == PNG_MAGIC
+
+
+METHOD_LABELS = {name: method.label for name, method in bench_methods.METHODS.items()}
+
+
+def assert_shares_add_up(row: dict, timed: bool) -> None:
+    """A drafter method's `token_shares` add up to every token its rounds committed (the new tokens but the
+    prefill's), and its `time_shares` to its decoding time; a method without a drafter has neither."""
+    if not timed:
+        assert row["token_shares"] is None and row["time_shares"] is None
+        return
+    assert row["round_tokens"] == row["new_tokens"] - row["prompts"]
+    assert row["round_tokens"] == row["accepted_nodes"] + row["bonus_tokens"]
+    # one a round, but where the call's last round was cut short (by `max_new_tokens`) inside its accepted path
+    assert row["rounds"] - row["prompts"] <= row["bonus_tokens"] <= row["rounds"]
+    tokens = row["token_shares"]
+    assert set(tokens) == {"bonus", "lookup", "datastore", "drafter"} and min(tokens.values()) >= 0
+    assert sum(tokens.values()) == pytest.approx(1.0)
+    assert tokens["lookup"] == pytest.approx(row["lookup_accepted"] / row["round_tokens"])
+    assert tokens["datastore"] == pytest.approx(row["datastore_accepted"] / row["round_tokens"])
+    times = row["time_shares"]
+    assert times["drafter"] > 0 and times["verify"] > 0 and times["rest"] > 0
+    assert times["sources"] == {name: pytest.approx(spent / row["seconds"]) for name, spent
+                                in row["phase_seconds"].items() if name not in bench_methods.LOOP_PHASES}
+    if "datastore" in times["sources"]:
+        assert bench_methods.METHODS[row["method"]].kwargs.get("tree_datastore")
+    assert times["drafter"] + sum(times["sources"].values()) + times["verify"] + times["rest"] == pytest.approx(1.0)
+
+
+def assert_sources_table_adds_up(table: str, rows: dict) -> dict:
+    """The "where the tokens and the time come from" table of `results.md`: each row's token shares add up to 100%
+    and its time shares too, within the rounding of their cells. Returns {(suite, label): cells}."""
+    lines = table.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(bench_report.SOURCES_TITLE))
+    head = [c.strip() for c in lines[start + 2].strip("|").split("|")]
+    assert head[:8] == ["suite", "method", "round tokens", "bonus", "lookup only", "datastore only", "drafter",
+                        "time: drafter pass + tree"]
+    timed = {name for row in rows.values() for name in (row["time_shares"] or {}).get("sources", {})}
+    assert head[8:] == [f"time: {name}" for name in sorted(timed, key=lambda n: n != "datastore")] + [
+        "time: verify", "time: rest"]  # a column per source phase any row timed
+    shares = {}
+    for line in lines[start + 4:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        suite = next(s for s in bench_suites.ALL_SUITES if bench_suites.SUITE_LABELS[s] == cells[0])
+        method = next(m for m, label in METHOD_LABELS.items() if label == cells[1])
+        assert int(cells[2]) == rows[(suite, method)]["round_tokens"]
+        percent = [float(c.rstrip("%")) if c != "–" else 0.0 for c in cells[3:]]
+        assert sum(percent[:4]) == pytest.approx(100, abs=0.21)  # four cells, each within 0.05 of its share
+        assert sum(percent[4:]) == pytest.approx(100, abs=0.05 * len(percent[4:]) + 0.01)
+        shares[(suite, cells[1])] = cells
+    return shares
 
 
 def test_paired_differences_cancel_the_spread_the_methods_share():
@@ -122,6 +181,41 @@ def test_a_wrong_output_fails_the_run_after_writing_the_results(tmp_path, monkey
     assert len(report["violations"]) == 1 and report["violations"][0].startswith("treespark on mtbench")
     row = next(r for r in report["results"] if r["method"] == "treespark")
     assert row["exact"] == 0
+
+
+def test_the_priced_defaults_run_when_named_with_the_round_pricer_on(tmp_path, monkeypatch):
+    assert "treespark_priced" not in bench_methods.DEFAULT_METHODS
+    assert "treespark_priced" in bench_methods.TREE_METHODS  # the defaults' tree budget
+    real = bench._generate
+    gates = {}
+
+    def spy(target, inputs, method, drafter, max_new_tokens, budget):
+        gates.setdefault(method.name, set()).add(method.kwargs.get("tree_gate", "auto"))
+        return real(target, inputs, method, drafter, max_new_tokens, budget)
+
+    monkeypatch.setattr(bench, "_generate", spy)
+    out = tmp_path / "bench"
+    rc = bench.main(["--smoke", "--suites", "mtbench", "--methods", "plain,treespark_datastore,treespark_priced",
+                     "--dtype", "fp32", "--output-dir", str(out)])
+    assert rc == 0
+    # every call of the method (its warm-up's too) passes tree_gate="price"; the defaults leave it "auto"
+    assert gates == {"plain": {"auto"}, "treespark_datastore": {"auto"}, "treespark_priced": {"price"}}
+    priced = bench_methods.METHODS["treespark_priced"]
+    assert priced.kwargs == {**bench_methods.METHODS["treespark_datastore"].kwargs, "tree_gate": "price"}
+    report = json.loads((out / "results.json").read_text())
+    rows = {(r["suite"], r["method"]): r for r in report["results"]}
+    assert set(rows) == {("mtbench", m) for m in ("plain", "treespark_datastore", "treespark_priced")}
+    row = rows[("mtbench", "treespark_priced")]
+    assert row["label"] == "TreeSpark + lookup + datastore, priced rounds" and row["exact"] == 1
+    assert_shares_add_up(row, timed=True)
+    defaults = rows[("mtbench", "treespark_datastore")]
+    if "drafter" in defaults["round_kinds"]:  # the defaults' drafter rounds ask the datastore
+        assert defaults["time_shares"]["sources"]["datastore"] > 0
+    (pair,) = report["paired_differences"]  # the A/B of round pricing
+    assert (pair["method"], pair["baseline"]) == ("treespark_datastore", "treespark_priced")
+    table = (out / "results.md").read_text()
+    assert set(assert_sources_table_adds_up(table, rows)) == {
+        ("mtbench", METHOD_LABELS[m]) for m in ("treespark_datastore", "treespark_priced")}
 
 
 def test_bad_arguments_are_refused_by_name(capsys):

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import hf_treespark
+from hf_treespark import arg_types
 from hf_treespark.cli import commands as cli
 from hf_treespark.cli.commands import main
 from hf_treespark.hub import assets
@@ -132,6 +133,37 @@ def test_push_uploads_the_drafter_with_its_card_without_network(tmp_path, monkey
     assert main(["push", "--drafter", str(drafter_dir), "--repo-id", "org/x/y"]) == 2
     assert "--repo-id 'org/x/y' is not a Hub repository id" in capsys.readouterr().err
     assert calls == []  # nothing was uploaded
+
+
+@pytest.mark.parametrize(("kind", "text", "message"), [
+    (arg_types.at_least(2), "1", "must be a whole number >= 2, got '1'"),
+    (arg_types.at_least(1), "1.5", "must be a whole number >= 1, got '1.5'"),
+    (arg_types.auto_or_at_least(1), "many", "must be 'auto' or a whole number >= 1, got 'many'"),
+    (arg_types.whole_numbers, "2,0", "must be whole numbers >= 1 separated by commas, got '2,0'"),
+    (arg_types.positive_number, "inf", "must be a finite number > 0, got 'inf'"),
+    (arg_types.non_negative_number, "-1", "must be a finite number >= 0, got '-1'"),
+    (arg_types.temperature, "nan", "must be a finite number >= 0 (0 = greedy), got 'nan'"),
+    (arg_types.probability, "1.5", "must be a number in [0, 1], got '1.5'"),
+    (arg_types.names_from(("fp32", "bf16")), "fp32,fp32", "must be names from fp32, bf16 separated by commas, each "
+                                                           "once, got 'fp32,fp32'"),
+    (arg_types.json_object, "[1]", "must be a JSON object like '{\"key\": 1.0}', got '[1]'"),
+    (arg_types.existing_file, "no/such.txt", "no/such.txt: no such file"),
+    (arg_types.existing_dir, "no/such", "no/such: no such directory"),
+])
+def test_each_argparse_type_says_what_the_value_must_be_and_what_was_given(kind, text, message):
+    """One wording per type, whichever command or script uses it (hf_treespark/arg_types.py)."""
+    import argparse
+
+    with pytest.raises(argparse.ArgumentTypeError) as refused:
+        kind(text)
+    assert message in str(refused.value)
+
+
+def test_argparse_types_read_their_values_as_before():
+    assert arg_types.at_least(0)(" 3 ") == 3 and arg_types.auto_or_at_least(1)("auto") == "auto"
+    assert arg_types.whole_numbers("1,4,8") == [1, 4, 8] and arg_types.names_from(("a", "b"))("b, a") == ["b", "a"]
+    assert arg_types.positive_number("1e-3") == 1e-3 and arg_types.temperature("0") == 0.0
+    assert arg_types.probability("1") == 1.0 and arg_types.json_object('{"surv": 1}') == {"surv": 1}
 
 
 @pytest.mark.parametrize("value", ["-1", "nan", "inf", "warm"])

@@ -104,13 +104,13 @@ def test_positions_and_a_head_of_an_earlier_version_resume_with_a_warning(files,
 
 
 @pytest.mark.parametrize("option, value, message", [
-    ("--batch-size", "0", "argument --batch-size: must be at least 1 (got 0)"),
-    ("--epochs", "0", "argument --epochs: must be a positive number (got '0')"),
-    ("--width", "-3", "argument --width: must be at least 1 (got -3)"),
-    ("--max-length", "1", "argument --max-length: must be at least 2 (got 1)"),
-    ("--eval-every", "0", "argument --eval-every: must be at least 1 (got 0)"),
-    ("--lr", "nan", "argument --lr: must be a positive number (got 'nan')"),
-    ("--max-sequences", "0", "argument --max-sequences: must be at least 1 (got 0)"),
+    ("--batch-size", "0", "argument --batch-size: must be a whole number >= 1, got '0'"),
+    ("--epochs", "0", "argument --epochs: must be a finite number > 0, got '0'"),
+    ("--width", "-3", "argument --width: must be a whole number >= 1, got '-3'"),
+    ("--max-length", "1", "argument --max-length: must be a whole number >= 2, got '1'"),
+    ("--eval-every", "0", "argument --eval-every: must be a whole number >= 1, got '0'"),
+    ("--lr", "nan", "argument --lr: must be a finite number > 0, got 'nan'"),
+    ("--max-sequences", "0", "argument --max-sequences: must be a whole number >= 1, got '0'"),
 ])
 def test_option_values_that_cannot_train_are_refused_at_parsing(files, tmp_path, capsys, option, value, message):
     # a target that does not exist: the refusal comes before anything loads

@@ -20,8 +20,8 @@ from hf_treespark.core.verify import (
     tree_attention_mask,
     tree_position_ids,
 )
+from hf_treespark.decoding.controller import resolve_gate
 from hf_treespark.decoding.generation import TreeSparkCandidateGenerator
-from hf_treespark.decoding.generation_checks import resolve_gate
 
 
 class OracleDrafter(TreeSparkDrafter):

@@ -54,6 +54,18 @@ def drafter_like(tmp_path: Path) -> Path:
     return tmp_path / "drafter"
 
 
+def test_the_scripts_argument_types_are_the_packages_and_load_without_torch():
+    """`scripts/script_args.py` hands the scripts `hf_treespark/arg_types.py`'s types, read without `import
+    hf_treespark` (torch and transformers): a script refuses a bad option before anything heavy loads."""
+    check = ("import sys; sys.path.insert(0, 'scripts'); import script_args; "
+             "assert 'torch' not in sys.modules and 'hf_treespark' not in sys.modules, sorted(sys.modules); "
+             "from pathlib import Path; "
+             "assert Path(script_args.at_least.__code__.co_filename).resolve() "
+             "== Path('hf_treespark/arg_types.py').resolve()")
+    done = subprocess.run([sys.executable, "-c", check], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
 @pytest.mark.parametrize("case", ["missing", "no config", "garbage config", "other model", "budget 0",
                                   "budget word", "lookup -1", "missing table"])
 def test_ship_drafter_refuses_bad_arguments_before_loading_anything(tmp_path, case):

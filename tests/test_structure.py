@@ -14,11 +14,19 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "hf_treespark"
 MAX_FUNCTION, MAX_CLASS, MAX_MODULE = 120, 250, 600
 
+# The one module that defines argparse types (functions raising `argparse.ArgumentTypeError`), and the parsers of a
+# format that only one script reads, which stay beside it (not a count, number, list, file or directory).
+ARG_TYPES = PACKAGE / "arg_types.py"
+ONE_SCRIPT_FORMATS = {
+    ("scripts/plot_runs.py", "run_spec"),  # LABEL=METRICS_JSONL
+    ("scripts/profile_train_step.py", "target_spec"),  # ARCH[:VOCAB[:DTYPE]]
+}
+
 # Lowest first. A module may import from its own layer and the layers before it, never from a later one. A
 # subpackage is one layer (its modules import each other freely, without cycles: tests/test_engine.py).
 LAYERS = [
-    # leaves: the version, the cache directory, JSON lines, dtype "auto", the shared option types
-    {"version", "storage", "records", "precision", "help_format"},
+    # leaves: the version, the cache directory, JSON lines, dtype "auto", the shared options, the argparse types
+    {"version", "storage", "records", "precision", "help_format", "arg_types"},
     # the algorithm (torch only), then the branches other than the drafter's, then the drafter
     {"core"},
     {"sources"},
@@ -148,3 +156,49 @@ def test_the_structure_check_sees_an_upward_import(tmp_path, monkeypatch):
         assert f"main is {MAX_FUNCTION + 2} lines" in str(e)
     else:
         raise AssertionError("a function too long was not caught")
+
+
+def _argument_type_errors(path: Path) -> list[str]:
+    """The functions of `path` (nested ones by their own name) that raise `ArgumentTypeError`, however it was
+    imported; `<module>` for a raise outside any function."""
+    found = []
+
+    def visit(node: ast.AST, function: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Raise) and child.exc is not None:
+                raised = child.exc.func if isinstance(child.exc, ast.Call) else child.exc
+                name = raised.attr if isinstance(raised, ast.Attribute) else getattr(raised, "id", None)
+                if name == "ArgumentTypeError":
+                    found.append(function)
+            is_function = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            visit(child, child.name if is_function else function)
+
+    visit(ast.parse(path.read_text()), "<module>")
+    return found
+
+
+def test_argparse_types_are_defined_once_in_arg_types():
+    """Every argparse type that refuses a value (a count, a number, a list, a JSON object, a file, a directory) is
+    `hf_treespark/arg_types.py`'s: the package's commands import it, the scripts through `scripts/script_args.py`.
+    A function elsewhere that raises `ArgumentTypeError` is a copy waiting to drift (its wording, its bounds); only a
+    parser of one script's own format is kept beside the script, named in `ONE_SCRIPT_FORMATS`."""
+    root = PACKAGE.parent
+    paths = [*_modules(), *sorted((root / "scripts").glob("*.py")), *sorted((root / "examples").glob("*.py"))]
+    copies = [f"{path.relative_to(root)}: {function}" for path in paths if path != ARG_TYPES
+              for function in _argument_type_errors(path)
+              if (str(path.relative_to(root)), function) not in ONE_SCRIPT_FORMATS]
+    assert not copies, "define these argparse types in hf_treespark/arg_types.py and import them:\n" + "\n".join(copies)
+    assert {"_number", "existing_file", "drafter_dir"} <= set(_argument_type_errors(ARG_TYPES))  # the check sees it
+    kept = {(str(path.relative_to(root)), function) for path in paths for function in _argument_type_errors(path)}
+    assert ONE_SCRIPT_FORMATS <= kept, "ONE_SCRIPT_FORMATS names a parser that is gone: take it off the list"
+
+
+def test_the_argument_type_check_sees_a_copy(tmp_path):
+    """The check itself can fail: a type raising `ArgumentTypeError`, imported either way, nested or not."""
+    copy = tmp_path / "copy.py"
+    copy.write_text("import argparse\nfrom argparse import ArgumentTypeError\n\n"
+                    "def positive(text):\n    raise argparse.ArgumentTypeError('no')\n\n"
+                    "def at_least(minimum):\n    def count(text):\n        raise ArgumentTypeError\n"
+                    "    return count\n\n"
+                    "def fine(text):\n    raise ValueError(text)\n")
+    assert _argument_type_errors(copy) == ["positive", "count"]

@@ -136,7 +136,7 @@ def run_batches(args, target, tokenizer, drafters: dict, suites: list[str], budg
     `batch.md` into `--output-dir`, print the table; 1 after an inexact batch (its results written first)."""
     from ..calibration.measure import ensure_batch_latency, ensure_latency
 
-    sizes = list(args.batch_size)  # parsed and bounded by `help_format.batch_sizes`
+    sizes = list(args.batch_size)  # parsed and bounded by `arg_types.batch_sizes`
     if "treespark" not in drafters:
         raise ValueError("--batch-size needs the TreeSpark drafter (--drafter treespark=PATH with --target)")
     drafter = drafters["treespark"]

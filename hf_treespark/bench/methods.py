@@ -4,9 +4,11 @@ A method is a name, a label for the tables and the `generate` kwargs that make i
 prompt lookup, a DSpark drafter in chain mode, a DSpark-trained drafter in tree mode, the TreeSpark drafter in chain
 and tree mode, with lookup and the datastore, and a baseline TreeSpark drafter beside it). The defaults
 (`treespark_datastore`, and `baseline_datastore` for another drafter) run with the per-call guard (`tree_guard`, on by
-default), as a user's call does; `treespark_unguarded` is the defaults without it (what the guard costs or saves);
-every ablation runs without it, so a hand-off to plain decoding never hides what they compare. They live apart from the
-run so that the report (tables, one colour per method in the plots) can name them without importing the run.
+default), as a user's call does; `treespark_unguarded` is the defaults without it (what the guard costs or saves),
+`treespark_priced` the defaults, guard included, with the round pricer (`tree_gate="price"`: what pricing each
+round costs or saves); those two run only when `--methods` names them (`OPT_IN_METHODS`). Every other ablation runs
+without the guard, so a hand-off to plain decoding never hides what they compare. They live apart from the run so
+that the report (tables, one colour per method in the plots) can name them without importing the run.
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ METHODS = {
         # the defaults without the per-call guard (`tree_guard`, on by default): what the guard costs or saves
         Method("treespark_unguarded", "TreeSpark + lookup + datastore, no guard", "treespark",
                {"tree_lookup": LOOKUP_TOKENS, "tree_datastore": True, "tree_guard": False}),
+        # the defaults with the round pricer (`tree_gate="price"`: each round, the best lookup branch alone or the
+        # drafter's tree, whichever is priced faster): the A/B of pricing each round
+        Method("treespark_priced", "TreeSpark + lookup + datastore, priced rounds", "treespark",
+               {"tree_lookup": LOOKUP_TOKENS, "tree_datastore": True, "tree_gate": "price"}),
         # another TreeSpark drafter (`--drafter baseline=PATH`, e.g. the one a new drafter replaces), side by side
         Method("baseline_chain", "baseline drafter, chain", "baseline",
                {"tree_chain": True, "tree_lookup": 0, "tree_datastore": False, "tree_guard": False}),
@@ -56,11 +62,16 @@ METHODS = {
     )
 }
 ROLES = ("treespark", "dspark", "dspark_tree", "baseline")
+# the defaults' A/B variants: run only when `--methods` names them
+OPT_IN_METHODS = ("treespark_unguarded", "treespark_priced")
 # run by default (the baseline's methods join them when a baseline drafter is given)
-DEFAULT_METHODS = tuple(m for m in METHODS if METHODS[m].drafter != "baseline" and m != "treespark_unguarded")
+DEFAULT_METHODS = tuple(m for m in METHODS if METHODS[m].drafter != "baseline" and m not in OPT_IN_METHODS)
 # these share one tree budget
 TREE_METHODS = ("dspark_tree", "treespark", "treespark_lookup", "treespark_datastore", "treespark_unguarded",
-                "baseline_datastore")
+                "treespark_priced", "baseline_datastore")
+# the round phases of the loop itself (`engine.PhaseTimer`); every other phase is a branch source's proposals, timed
+# under the source's name ("datastore", a registered source's)
+LOOP_PHASES = ("draft", "tree", "verify", "walk", "commit", "round")
 
 
 class BenchmarkError(RuntimeError):
@@ -82,6 +93,9 @@ class MethodResult:
     committed_after_prefill: int = 0
     rounds_reaching_depth: list[int] = field(default_factory=list)
     rounds: int = 0
+    round_tokens: int = 0  # tokens the rounds committed (new tokens less the prefill's, one per prompt)
+    bonus_tokens: int = 0  # the target's own token after each round's accepted path (a plain step's after a hand-off)
+    accepted_nodes: int = 0  # accepted nodes, whoever proposed them: `round_tokens = accepted_nodes + bonus_tokens`
     lookup_accepted: int = 0  # accepted tokens that only a lookup branch had proposed
     datastore_accepted: int = 0  # accepted tokens that only the datastore had proposed
     exact: int = 0
@@ -95,6 +109,13 @@ class MethodResult:
     # a drafter method's rounds by kind (`engine.ROUND_KINDS`): [rounds, verified nodes, accepted nodes, committed
     # tokens, seconds] summed
     round_kinds: dict[str, list[float]] = field(default_factory=dict)
+    # where a drafter method's tokens come from (`finish`): fractions of `round_tokens` that were "bonus" tokens and
+    # accepted nodes only "lookup" or only the "datastore" proposed, and the rest of the accepted nodes ("drafter")
+    token_shares: dict[str, float] | None = None
+    # where its time goes (`finish`): fractions of `seconds` in the "drafter" pass (`draft` + `tree` phases), each
+    # branch source's proposals ("sources": {phase: fraction}), the "verify" forward and the "rest" (walk, commit,
+    # prefill, the loop, plain steps after a hand-off); they add up to 1
+    time_shares: dict | None = None
 
     def add(self, new_tokens: int, seconds: float, forwards: int, rounds, phases: dict | None = None) -> None:
         """One prompt's generate call: `new_tokens` generated in `seconds` with `forwards` target forward calls (the
@@ -111,6 +132,9 @@ class MethodResult:
             self.prompt_acceptance.append((new_tokens - 1) / (forwards - 1))
         if rounds is not None:
             self.rounds += len(rounds)
+            self.round_tokens += sum(len(r.committed) for r in rounds)
+            self.accepted_nodes += sum(r.num_accepted for r in rounds)
+            self.bonus_tokens += sum(len(r.committed) - r.num_accepted for r in rounds)
             self.lookup_accepted += sum(r.lookup_accepted for r in rounds)
             self.datastore_accepted += sum(r.datastore_accepted for r in rounds)
             for r in rounds:
@@ -122,7 +146,8 @@ class MethodResult:
                         totals[i] += value
 
     def finish(self, plain_tps: float | None) -> None:
-        """The rates from the totals: tokens/s, speedup over `plain_tps`, acceptance length and its spread."""
+        """The rates from the totals: tokens/s, speedup over `plain_tps`, acceptance length and its spread, and a
+        drafter method's `token_shares` and `time_shares`."""
         self.tokens_per_second = self.new_tokens / self.seconds if self.seconds else None
         if plain_tps and self.tokens_per_second:
             self.speedup = self.tokens_per_second / plain_tps
@@ -133,3 +158,16 @@ class MethodResult:
             self.acceptance_by_depth = [n / self.rounds for n in self.rounds_reaching_depth]
         if len(self.prompt_acceptance) >= 2:
             self.acceptance_sd = statistics.stdev(self.prompt_acceptance)
+        if self.round_tokens:
+            drafter = self.accepted_nodes - self.lookup_accepted - self.datastore_accepted
+            counts = {"bonus": self.bonus_tokens, "lookup": self.lookup_accepted,
+                      "datastore": self.datastore_accepted, "drafter": drafter}
+            self.token_shares = {key: n / self.round_tokens for key, n in counts.items()}
+        if self.phase_seconds and self.seconds:
+            phases = self.phase_seconds
+            shares = {"drafter": (phases.get("draft", 0.0) + phases.get("tree", 0.0)) / self.seconds,
+                      "sources": {name: spent / self.seconds for name, spent in phases.items()
+                                  if name not in LOOP_PHASES},
+                      "verify": phases.get("verify", 0.0) / self.seconds}
+            shares["rest"] = 1.0 - shares["drafter"] - sum(shares["sources"].values()) - shares["verify"]
+            self.time_shares = shares

@@ -21,7 +21,7 @@ from .suites import SUITE_LABELS
 PAIRS = (("dspark_tree", "dspark"), ("treespark", "dspark_tree"), ("treespark", "treespark_chain"),
          ("treespark_lookup", "treespark"), ("treespark_datastore", "treespark_lookup"),
          ("treespark_chain", "baseline_chain"), ("treespark_datastore", "baseline_datastore"),
-         ("treespark_datastore", "treespark_unguarded"))
+         ("treespark_datastore", "treespark_unguarded"), ("treespark_datastore", "treespark_priced"))
 
 
 def paired_differences(report: dict) -> list[dict]:
@@ -52,8 +52,9 @@ def cell(value, spec: str = ".2f") -> str:
 
 
 # the methods that can have such tokens
-SHARE_COLUMNS = {"lookup_accepted": ("treespark_lookup", "treespark_datastore", "treespark_unguarded"),
-                 "datastore_accepted": ("treespark_datastore", "treespark_unguarded")}
+SHARE_COLUMNS = {"lookup_accepted": ("treespark_lookup", "treespark_datastore", "treespark_unguarded",
+                                     "treespark_priced"),
+                 "datastore_accepted": ("treespark_datastore", "treespark_unguarded", "treespark_priced")}
 
 
 def _share(row: dict, key: str) -> str:
@@ -73,7 +74,8 @@ def _time_share(row: dict, phase: str) -> str:
 
 
 def markdown_table(report: dict) -> str:
-    """The report as markdown: one row per suite and method, then acceptance by depth."""
+    """The report as markdown: one row per suite and method, then the paired differences, acceptance by depth,
+    rounds by kind, and where the tokens and the time come from."""
     cfg = report["config"]
     lines = [
         f"Target {cfg['target']}, {cfg['dtype']} on {cfg['device']} ({cfg['machine']}"
@@ -116,6 +118,7 @@ def markdown_table(report: dict) -> str:
             rates = " | ".join(f"{100 * x:.1f}%" for x in row["acceptance_by_depth"])
             lines.append(f"| {SUITE_LABELS[row['suite']]} | {row['label']} | {rates} |")
     lines += _round_kinds_table(report)
+    lines += _sources_table(report)
     if report["config"]["skipped"]:
         lines += ["", f"Skipped (no drafter given): {', '.join(report['config']['skipped'])}."]
     return "\n".join(lines) + "\n"
@@ -149,9 +152,47 @@ def _round_kinds_table(report: dict) -> list[str]:
     return lines
 
 
-# matplotlib's "tab10" colours: one per method, the same in every plot.
+SOURCES_TITLE = "Where the tokens and the time come from"
+
+
+def _percent(share: float | None) -> str:
+    """A fraction as a percentage cell, or a dash where there is none."""
+    return "–" if share is None else f"{100 * share:.1f}%"
+
+
+def _sources_table(report: dict) -> list[str]:
+    """Each drafter method's `token_shares` (of the tokens its rounds committed) and `time_shares` (of its decoding
+    time), one column per branch source's phase that any row timed; rows without them (plain, prompt lookup, a report
+    from before they were recorded) are left out."""
+    rows = [r for r in report["results"] if r.get("token_shares") or r.get("time_shares")]
+    if not rows:
+        return []
+    sources = list(dict.fromkeys(name for r in rows for name in (r.get("time_shares") or {}).get("sources", {})))
+    sources.sort(key=lambda name: name != "datastore")  # the datastore first, then registered sources as they came
+    lines = ["", f"{SOURCES_TITLE}: each drafter method's tokens committed by its rounds, split into the bonus token "
+             "that ends each round (the target's own; a plain step's after a hand-off), accepted nodes only lookup "
+             "proposed, only the datastore, and the other accepted nodes (the drafter's; a registered source's too); "
+             "its decoding time, split into the drafter pass and tree (draft + tree phases, lookup's search "
+             "included), each branch source's proposals, the target's verify forward, and the rest (walk, commit, "
+             "prefill, the loop):", "",
+             "| suite | method | round tokens | bonus | lookup only | datastore only | drafter | time: drafter pass "
+             "+ tree | " + "".join(f"time: {name} | " for name in sources) + "time: verify | time: rest |",
+             "|---|---|---|---|---|---|---|---|" + "---|" * len(sources) + "---|---|"]
+    for row in rows:
+        tokens = row.get("token_shares") or {}
+        times = row.get("time_shares") or {}
+        cells = [str(row.get("round_tokens", "–"))]
+        cells += [_percent(tokens.get(key)) for key in ("bonus", "lookup", "datastore", "drafter")]
+        cells.append(_percent(times.get("drafter")))
+        cells += [_percent(times.get("sources", {}).get(name)) for name in sources]
+        cells += [_percent(times.get("verify")), _percent(times.get("rest"))]
+        lines.append(f"| {SUITE_LABELS[row['suite']]} | {row['label']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+# matplotlib's "tab10" colours, then two of "tab20b": one per method, the same in every plot.
 PLOT_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
-                "#bcbd22", "#17becf", "#393b79")
+                "#bcbd22", "#17becf", "#393b79", "#637939")
 
 
 def method_colours(methods) -> dict[str, str]:

@@ -30,6 +30,7 @@ from dataclasses import asdict, replace
 
 import torch
 
+from ..arg_types import batch_sizes
 from ..core.cpu_gemm import model_is_packed
 from ..decoding.engine import PhaseTimer
 from ..help_format import (
@@ -37,7 +38,6 @@ from ..help_format import (
     CPU_PACK_HELP,
     add_device_option,
     add_dtype_option,
-    batch_sizes,
     cpu_pack_option,
     refuse_empty_values,
     resolve_device,

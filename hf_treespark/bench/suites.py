@@ -5,7 +5,8 @@ The default three (`SUITES`, what `treespark bench` runs unless `--suites` says 
 - `mtbench`: MT-Bench's 80 first turns, grouped by category;
 - `humaneval`: HumanEval's 164 function stubs, asked as "Complete this Python function.";
 - `sharegpt`: ShareGPT's held-out first turns (records from position 12,000 on, never training data, and below
-  13,000, where the later suites' band starts), of which the first `max(4 x count, 64)` are read.
+  12,671, where the development set's band starts, `assets.SHAREGPT_DEV_POSITION`), of which the first
+  `max(4 x count, 64)` are read (400 at most, however many prompts a run asks for).
 
 Every suite's pool is encoded first and `count` prompts taken evenly spaced over those within the token limit, so
 a small run spans the categories (how the first three were drawn before: docs/design-notes.md, "Bench prompts").
@@ -100,9 +101,9 @@ def _pool(suite: str, count: int) -> list[str]:
         return assets.mtbench_prompts()
     if suite == "humaneval":
         return [f"Complete this Python function.\n\n```python\n{p}```" for p in assets.humaneval_prompts()]
-    if suite == "sharegpt":  # never into the later suites' band (a run of more than 37 prompts would reach it)
+    if suite == "sharegpt":  # never into the development set's band (a run of more than 100 prompts would reach it)
         return [text for _, position, text in assets.sharegpt_first_turns("heldout", limit=max(4 * count, 64))
-                if position < assets.SHAREGPT_SUITES_POSITION]
+                if position < assets.SHAREGPT_DEV_POSITION]
     if suite == "copy":
         return [prompt for _, prompt in copy_sources()]
     if suite == "math":

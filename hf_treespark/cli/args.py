@@ -1,4 +1,4 @@
-"""The options of each `treespark` subcommand, one function each, and the argparse types they share.
+"""The options of each `treespark` subcommand, one function each (their argparse types: `arg_types`).
 
 Nothing here imports torch: the options of bench, train, train-depth1, distil and export come from their own
 modules (which do), imported inside their functions, and `treespark` adds a subcommand's options only when that
@@ -8,43 +8,14 @@ subcommand is the one run (or asked for `--help`).
 from __future__ import annotations
 
 import argparse
-import math
 
-from ..help_format import (
-    CPU_PACK_CHOICES,
-    CPU_PACK_HELP,
-    add_device_option,
-    add_dtype_option,
-    batch_sizes,
-    torch_dtype_name,
-)
+from ..arg_types import at_least, batch_sizes, temperature
+from ..help_format import CPU_PACK_CHOICES, CPU_PACK_HELP, add_device_option, add_dtype_option, torch_dtype_name
 
 TARGET_HELP = "target model name or path (default: offline SmolLM2-135M-Instruct)"
 
 
-# ----- argparse types ------------------------------------------------------------------------------------------
-
-
-def positive_int(text: str) -> int:
-    """argparse type of counts: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
-    return value
-
-
-def temperature(text: str) -> float:
-    """argparse type of `--temperature`: a finite number >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (0 = greedy), got {text!r}")
-    return value
+# ----- checks -------------------------------------------------------------------------------------------------
 
 
 def is_utf8(text: str) -> bool:
@@ -88,8 +59,8 @@ def add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--suite", default="sharegpt", choices=("mtbench", "humaneval", "sharegpt"),
                         help="prompt suite (sharegpt: held-out first turns; the bench's copy, multiturn and math "
                              "suites are never calibrated on)")
-    parser.add_argument("--num-prompts", type=positive_int, default=8)
-    parser.add_argument("--max-new-tokens", type=positive_int, default=96)
+    parser.add_argument("--num-prompts", type=at_least(1), default=8)
+    parser.add_argument("--max-new-tokens", type=at_least(1), default=96)
     parser.add_argument("--budgets", default="2,4,8,16,32,64")
     parser.add_argument("--force", action="store_true",
                         help="measure this machine's round latency again (on a quiet machine), replacing the "
@@ -123,7 +94,7 @@ def add_datastore_arguments(parser: argparse.ArgumentParser) -> None:
                         help="drafter directory to add datastore.safetensors to (or a new directory for it alone)")
     parser.add_argument("--target", help="the target's name or path, for its tokenizer and chat template (text and "
                                          "chats; default: the offline default target)")
-    parser.add_argument("--vocab-size", type=positive_int,
+    parser.add_argument("--vocab-size", type=at_least(1),
                         help="the target's vocabulary size (default: the --output drafter's target_vocab_size, else "
                              "the offline default target's)")
     again = parser.add_mutually_exclusive_group()

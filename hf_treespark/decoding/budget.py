@@ -340,3 +340,31 @@ def auto_budget(target, drafter, policy: TreePolicy, first_tree_scores: torch.Te
         return None
     best, _ = choose_budget(acceptance, latency)
     return best
+
+
+def round_prices(target, drafter, policy: TreePolicy, node_cost: float) -> tuple[float, float, object]:
+    """`(drafted, tree_cost, chain_cost)` for one row at the policy's budget `N`, before its rounds are seen:
+    the drafted tokens a tree round gets accepted (`tau(N) - 1` from the drafter's acceptance profile, else 0.8),
+    a tree round's cost (drafter pass and verify forward) and `chain_cost(k)`, a chain of `k` lookup tokens' (a
+    verify forward of `k + 1` tokens), in plain steps. This machine's measured costs (the cost table) where it
+    has them, else the default table, else a plain step plus `node_cost` a node."""
+    n = policy.budget
+    profile = getattr(drafter.config, "acceptance_profile", None)
+    drafted = profile_acceptance(profile, [n])[n] - 1.0 if profile else 0.8
+    budgets = candidate_budgets(policy)
+    latency = measured_latency(target, drafter, policy, budgets)
+    if latency is not None:
+        step = latency["verify"][0]
+        near = min(budgets, key=lambda b: (abs(b - n), b))
+        verify = sorted((int(b), s / step) for b, s in latency["verify"].items())
+
+        def chain_cost(k: int) -> float:  # linear between measured verify forwards
+            for (b0, c0), (b1, c1) in zip(verify, verify[1:], strict=False):
+                if b0 <= k <= b1:
+                    return c0 + (c1 - c0) * (k - b0) / (b1 - b0)
+            return verify[-1][1] + node_cost * (k - verify[-1][0])
+
+        return drafted, (latency["draft"][near] + latency["verify"][near]) / step, chain_cost
+    costs = default_round_cost(target, [n])
+    tree = costs[n] if costs else 1.0 + 0.3 + node_cost * n
+    return drafted, tree, lambda k: 1.0 + node_cost * k

@@ -34,13 +34,12 @@ forward of up to 17 tokens costs 1.0-1.6 plain steps, on a GPU about one. A stre
 are below the median verify forward's over `GUARD_VERIFY_BOUND`, by the margin, is judged faster without probes
 (`judgements` records it with None for the plain pace); any other stretch is probed as above.
 
-The hand-off (`hand_off`) continues from the session's cache, as the batched loop does (`generation_batch`), so the
-output is what plain decoding gives: exact in greedy, distributed as the target in sampling.
+The hand-off (`handoff.finish_plain`) continues from the session's cache, so the output is what plain decoding
+gives: exact in greedy, distributed as the target in sampling. The round controller (`controller.py`) holds the
+guard and asks it before every round.
 """
 
 from __future__ import annotations
-
-import torch
 
 GUARD_SKIP = 1  # the call's first rounds, never judged
 GUARD_WINDOW = 8  # judged TreeSpark rounds before the probes
@@ -134,13 +133,3 @@ def resolve_guard(tree_guard, guardable: bool) -> CallGuard | None:
         raise ValueError(f"tree_guard={tree_guard!r} is invalid: use True (hand a call whose rounds are slower than "
                          "plain steps to transformers' loop), False, or a hf_treespark.decoding.call_guard.CallGuard")
     return CallGuard() if tree_guard and guardable else None
-
-
-def hand_off(model, session, ids, logits_processor, stopping_criteria, generation_config, streamer):
-    """The rest of the call in transformers' own loop, from the session's cache (every committed token but the last,
-    as plain decoding holds it); returns the whole sequence `[1, T]`. The streamer gets the new tokens and its end."""
-    out = type(model)._sample(model, ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
-                              generation_config=generation_config, synced_gpus=False, streamer=streamer,
-                              attention_mask=torch.ones_like(ids), use_cache=True,
-                              **{session.cache_kw: session.cache})
-    return getattr(out, "sequences", out)

@@ -30,9 +30,12 @@ from ..core.verify import (
 from ..drafter.modeling import TreeSparkDrafterOutput
 from ..sources.lookup import (
     LOOKUP_LONG_TOKENS,
+    LOOKUP_ROUND_NGRAM,
     DrafterGate,
     add_lookup_branches,
     find_lookup_branches,
+    gated_branch_length,
+    graft_lookup,
     graft_nodes,
     is_lookup_round,
     lookup_pool,
@@ -224,6 +227,8 @@ class RowPlanner:
         self.ran_drafter = False  # whether the current round ran the drafter
         self.lookup_only = False  # whether the current round is lookup-only
         self.long_lookup = False  # the last lookup-only round accepted its whole branch
+        self.pricer = None  # `controller.RoundPricer` (one row): what each round carries, in place of the gate
+        self.priced: tuple | None = None  # the current priced round: (match length, chain tokens, plan, prior cost)
 
     def _phase(self, name: str):
         return self.timer(name) if self.timer is not None else nullcontext()
@@ -247,11 +252,14 @@ class RowPlanner:
         """
         x0 = history[-1:]
         self.ran_drafter = False
+        self.priced = None
         if probe or self.max_nodes == 0:
             self.lookup_only = False
             return RoundPlan(x0, [], [], self._pack(lookup_pool(x0, [], self.policy.lookup), x0, 0))
+        length = self.policy.lookup
+        if self.pricer is not None:
+            return self._priced_plan(x0, history, length)
         with self._phase("tree"):
-            length = self.policy.lookup
             branches = find_lookup_branches(history, LOOKUP_LONG_TOKENS if self.long_lookup else length)
             self.lookup_only = is_lookup_round(branches)
             if self.lookup_only:
@@ -271,6 +279,45 @@ class RowPlanner:
                 return RoundPlan(x0, branches, proposed, self._pack(pool, x0, pool.tokens.shape[1]))
         self.ran_drafter = True
         return RoundPlan(x0, branches, proposed)
+
+    def _chain(self, branches: list) -> list[int]:
+        """The tokens a chain round verifies: the best branch (the longest, most recent match), `L` tokens after a
+        match of 2 tokens or more (up to `LOOKUP_LONG_TOKENS` after a chain accepted whole, or a 3-token match),
+        `LOOKUP_WEAK_TOKENS` after a 1-token match; none without a match."""
+        if not branches:
+            return []
+        tokens, n = branches[0]
+        length = self.policy.lookup
+        if n >= LOOKUP_ROUND_NGRAM or self.long_lookup:
+            return list(tokens)
+        return list(tokens[:gated_branch_length(n, length)])
+
+    def _priced_plan(self, x0: torch.Tensor, history: torch.Tensor, length: int) -> RoundPlan:
+        """`plan` with a pricer (`controller.RoundPricer`): the best branch alone as a chain (no drafter pass; the
+        root alone without a match), or the drafter's tree with the lookup branches and the sources that pay."""
+        with self._phase("tree"):
+            branches = find_lookup_branches(history, LOOKUP_LONG_TOKENS if self.long_lookup else length)
+            n = branches[0][1] if branches else 0
+            chain = self._chain(branches)
+            extra = max_extra_budget(branches, length)
+            if self.pricer.wants_chain(n, len(chain), extra):
+                self.lookup_only = bool(chain)
+                plan = RoundPlan(x0, branches, [])
+                pool = graft_lookup(lookup_pool(x0, [], length), [(chain, max(n, 1))] if chain else [])
+                plan.tree = self._pack(pool, x0, len(chain))
+                self.priced = (n, chain, plan, self.pricer.chain_cost_prior(len(chain)))
+                return plan
+        self.lookup_only = False
+        short = [(tokens[:length], m) for tokens, m in branches]
+        proposed = []
+        for source in self.sources:
+            if self.pricer.source_open(source.flag):
+                with self._phase(source.name):
+                    proposed.append((source.flag, source.propose(history)))
+        self.ran_drafter = True
+        plan = RoundPlan(x0, short, proposed)
+        self.priced = (n, chain, plan, self.pricer.tree_price(extra))
+        return plan
 
     def round_kind(self, probe: bool = False) -> str:
         """The kind (`ROUND_KINDS`) of the round this planner last planned."""
@@ -293,9 +340,18 @@ class RowPlanner:
         extra += sum(int(pool.flags[flag][0].sum()) for flag in flags)
         return self._pack(pool, plan.x0, self.policy.budget + extra)
 
-    def after_round(self, tree: DraftTree, rnd: Round) -> None:
-        """Update the lookup state and the drafter gate with the round's result."""
+    def after_round(self, tree: DraftTree, rnd: Round, seconds: float | None = None) -> None:
+        """Update the lookup state, and the drafter gate or the pricer, with the round's result (`seconds`: its wall
+        time, where it was timed)."""
         if self.lookup_only:
             self.long_lookup = rnd.num_accepted == tree.num_nodes >= self.policy.lookup
-        if self.ran_drafter and self.gate is not None:
+        if self.priced is not None:
+            n, chain, plan, cost = self.priced
+            kind = "tree" if self.ran_drafter else "chain"
+            self.pricer.observe(kind, n, chain, rnd.tokens[0].tolist(), rnd.num_accepted, seconds, cost)
+            for flag, _ in plan.proposed if self.ran_drafter else ():
+                flags = tree.flags.get(flag)
+                if flags is not None:
+                    self.pricer.observe_source(flag, int(flags[0, 1:].sum()), rnd._accepted_from(flags, None))
+        elif self.ran_drafter and self.gate is not None:
             self.gate.drafted(rnd.num_accepted - rnd.source_accepted())

@@ -1,14 +1,15 @@
-"""`generate()`'s TreeSpark loop and a `CandidateGenerator` for custom loops.
+"""`generate()`'s TreeSpark loop, for every batch size, and a `CandidateGenerator` for custom loops.
 
-`treespark_decoding` has the signature of a transformers `custom_generate` callable: `generate()`
-prepares the generation config, logits processors and stopping criteria, then calls it (see
-`integration.py`). It prefills, then drives `session.DecodingSession` (one row) a round at a time
-(draft, verify in one target forward, accept, commit), and does what `generate` promises around
-that: stopping criteria inside a round, streaming, scores, per-round records.
+`treespark_decoding` has the signature of a transformers `custom_generate` callable: `generate()` prepares the
+generation config, logits processors and stopping criteria, then calls it (see `integration.py`). It prefills, then
+drives a `session.DecodingSession` of `B >= 1` rows a round at a time (draft, verify in one target forward, accept,
+commit), asking the round controller (`controller.RoundController`) before each round what it runs, and does what
+`generate` promises around that: stopping criteria inside a round, each row to its own end, streaming and scores
+(one row), per-round records.
 
 Around it, one module per idea: what a call accepts (`generation_checks.py`), what it returns
-(`generation_output.py`), and the loop for a batch of more than one row (`generation_batch.py`).
-Their public names are importable from here too.
+(`generation_output.py`), the speed decisions (`controller.py`), and the rest of a call in transformers' own loop
+(`handoff.py`).
 """
 
 from __future__ import annotations
@@ -24,50 +25,56 @@ from ..core.tree import DraftTree, TreePolicy, pack_tree
 from ..sources.base import build_sources
 from ..sources.datastore import HEADER_TOKENS
 from ..sources.lookup import add_lookup_branches, find_lookup_branches, max_extra_budget
-from .budget import auto_budget
-from .call_guard import hand_off, resolve_guard
+from .controller import RoundController
 from .engine import draft_pool
-from .generation_batch import batched_decoding
 from .generation_checks import (
     check_arguments,
+    check_batch,
     check_supported,
     empty_cache,
     left_padding,
     resolve_datastore,
-    resolve_gate,
     resolve_policy,
     resolve_sources,
 )
 from .generation_output import RoundRecord, TreeSparkGenerateOutput, acceptance_stats, first_stop
+from .handoff import finish_plain, pad_token, plain_batch
 from .session import DecodingSession
 
 
 def _pick(processed: torch.Tensor, do_sample: bool) -> torch.Tensor:
-    """The next token `[1, 1]` from processed scores `[1, V]`: a sample, or the argmax."""
+    """The next token of each row `[B, 1]` from processed scores `[B, V]`: a sample, or the argmax."""
     if do_sample:
         return torch.multinomial(torch.softmax(processed, dim=-1), num_samples=1)
     return processed.argmax(dim=-1, keepdim=True)
 
 
-def _committed(rnd, ids: torch.Tensor, stopping_criteria: StoppingCriteriaList):
-    """`(ids with the round's tokens, the tokens committed, whether the call is done)`: a stopping criterion met
-    inside the round cuts its tokens there."""
-    new_tokens = rnd.tokens
-    ids = torch.cat([ids, new_tokens], dim=1)
-    stop = first_stop(stopping_criteria, ids, new_tokens.shape[1])
-    if stop is None:
-        return ids, new_tokens, False
-    return ids[:, : ids.shape[1] - new_tokens.shape[1] + stop], new_tokens[:, :stop], True
+def _commit(rounds, active: list[int], sequences: list[torch.Tensor], stopping_criteria: StoppingCriteriaList):
+    """Append each active row's round tokens to its sequence (`sequences[i]`, `[1, T_i]`), cut where a stopping
+    criterion is met inside the round. Returns `(committed, still)`: each row's tokens kept (`[1, k]`), and the
+    positions (among `active`) of the rows that go on."""
+    committed, still = [], []
+    for position, (i, rnd) in enumerate(zip(active, rounds, strict=True)):
+        new_tokens = rnd.tokens
+        sequences[i] = torch.cat([sequences[i], new_tokens], dim=1)
+        stop = first_stop(stopping_criteria, sequences[i], new_tokens.shape[1])
+        if stop is not None:
+            sequences[i] = sequences[i][:, : sequences[i].shape[1] - new_tokens.shape[1] + stop]
+            new_tokens = new_tokens[:, :stop]
+        else:
+            still.append(position)
+        committed.append(new_tokens)
+    return committed, still
 
 
-def _auto_chooser(model, drafter, policy: TreePolicy):
-    """For `tree_budget="auto"`: the budget, fixed now when it can be, else a chooser for the first round."""
-    if not policy.auto:
-        return policy, None
-    chosen = auto_budget(model, drafter, policy)
-    if chosen is not None:
-        return policy.with_budget(chosen), None
-    return policy, lambda pool_scores: auto_budget(model, drafter, policy, pool_scores[0])  # [1, C]: one row
+def _padding(input_ids: torch.Tensor, attention_mask, generation_config: GenerationConfig, streamer):
+    """`(mask, pad, pads)`: a batch's attention mask (`[B, T]`, checked: `check_batch`), the token that pads rows that
+    end early, and each row's left padding; for one row `(None, None, [left padding])`: the target sees the unpadded
+    prompt, processors and stopping criteria the padded sequence, as in plain decoding."""
+    if input_ids.shape[0] == 1:
+        return None, None, [left_padding(attention_mask, input_ids)]
+    mask = check_batch(input_ids, attention_mask, generation_config, streamer)
+    return mask, pad_token(generation_config), (mask == 0).sum(dim=1).tolist()
 
 
 @torch.no_grad()
@@ -94,19 +101,24 @@ def treespark_decoding(
     tree_guard=True,
     **model_kwargs,
 ):
-    """The TreeSpark decoding loop (a transformers `custom_generate` callable).
+    """The TreeSpark decoding loop (a transformers `custom_generate` callable), for `B >= 1` left-padded rows.
 
-    Returns `[1, prompt + new]` token ids, or a `TreeSparkGenerateOutput` with
-    `return_dict_in_generate=True`; its `cache` (`past_key_values`) is the target's cache of every token but
-    the last, as plain decoding returns it (left padding excluded). Attentions, hidden states and
-    `inputs_embeds` are refused (`check_arguments`). `tree_record=True` stores each round's tree in its record;
-    `tree_gate`: the drafter gate's threshold with lookup on (`resolve_gate`).
-    `tree_timer` (an `engine.PhaseTimer`) sums the wall time of each round phase (`treespark bench --profile`).
-    `tree_guard` (batch size 1, on by default): a call whose rounds commit tokens more slowly than plain steps, judged
-    twice in a row against root-only probe rounds, goes on in transformers' own loop (`call_guard.py`; not with
-    scores, logits or padding); False drafts to the end. One target forward per round: no latency is measured
-    here (`tree_budget="auto"` reads the latency `hf_treespark.calibration.measure.calibrate_latency` stored, or falls
-    back to a default budget).
+    Returns `[B, prompt + new]` token ids, each row stopped at its own end (end-of-sequence, a stopping criterion,
+    the length limit) and padded with the pad token up to the longest row, as plain `generate` pads it; or a
+    `TreeSparkGenerateOutput` with `return_dict_in_generate=True`. For one row its `cache` (`past_key_values`) is
+    the target's cache of every token but the last, as plain decoding returns it (left padding excluded), and
+    `rounds`, `acceptance_length`, `acceptance_by_depth` describe the row; for a batch they are per row (lists of
+    B), no cache is returned (the batch's cache is ragged, and finished rows leave it), and `tree_budget` is the
+    budget of the first round (None where every row ended at its first token before "auto" chose one).
+    Attentions, hidden states and `inputs_embeds` are refused (`check_arguments`); streamers, scores and logits
+    need one row (`check_batch`).
+
+    `tree_record=True` stores each round's tree in its record. `tree_gate`: the drafter gate's threshold with
+    lookup on (`controller.resolve_gate`). `tree_timer` (an `engine.PhaseTimer`) sums the wall time of each round
+    phase (`treespark bench --profile`). `tree_guard` (one row, on by default): a call whose rounds commit tokens
+    more slowly than plain steps, judged twice in a row against root-only probe rounds, goes on in transformers' own
+    loop (`call_guard.py`; not with scores, logits or padding); False drafts to the end. A batch with
+    `tree_budget="auto"` goes on in transformers' loop once no tree pays for its rows left (greedy, no processors).
     """
     drafter = treespark_drafter
     check_arguments(generation_config, model_kwargs)
@@ -114,84 +126,109 @@ def treespark_decoding(
     policy = resolve_policy(drafter, tree_budget, tree_topk, tree_depth, tree_frontier, tree_chain, tree_lookup)
     datastore = resolve_datastore(drafter, tree_datastore)
     sources = build_sources(drafter, {"datastore": datastore, **resolve_sources(tree_sources)})
-    streamer = treespark_streamer
-    if input_ids.shape[0] > 1:
-        gate = None if isinstance(tree_gate, str) and tree_gate == "auto" else resolve_gate(model, drafter, policy,
-                                                                                             tree_gate)
-        return batched_decoding(model, drafter, input_ids, logits_processor, stopping_criteria, generation_config,
-                                policy, gate, datastore, sources, streamer, tree_record, tree_timer, model_kwargs)
-    policy, choose_budget = _auto_chooser(model, drafter, policy)
-    gate = resolve_gate(model, drafter, policy, tree_gate)
-    want_scores = bool(generation_config.output_scores)
-    want_logits = bool(generation_config.output_logits)
+    streamer, rows = treespark_streamer, input_ids.shape[0]
+    want_scores, want_logits = bool(generation_config.output_scores), bool(generation_config.output_logits)
     do_sample = bool(generation_config.do_sample)
-
-    # Left padding (batch size 1): the target sees the unpadded prompt; processors and stopping
-    # criteria see the padded sequence, as in plain decoding.
-    num_pad = left_padding(model_kwargs.get("attention_mask"), input_ids)
-    session = DecodingSession(model, drafter, policy, logits_processor=logits_processor, do_sample=do_sample,
-                              keep_scores=want_scores or want_logits, cache=empty_cache(model_kwargs),
-                              choose_budget=choose_budget, timer=tree_timer, gate=gate, sources=sources)
+    mask, pad, pads = _padding(input_ids, model_kwargs.get("attention_mask"), generation_config, streamer)
+    keep_scores = want_scores or want_logits
+    controller = RoundController(model, drafter, policy, rows, tree_gate, tree_guard,
+                                 guardable=not keep_scores and not pads[0],
+                                 walk_processed=do_sample or len(logits_processor) > 0)
+    if controller.plain_from_start:  # no tree pays at this batch size: transformers' own loop
+        return plain_batch(model, drafter, input_ids, logits_processor, stopping_criteria, generation_config,
+                           model_kwargs)
+    session = DecodingSession(model, drafter, controller.policy, rows, logits_processor=logits_processor,
+                              do_sample=do_sample, keep_scores=keep_scores, cache=empty_cache(model_kwargs),
+                              timer=tree_timer, gate=controller.gate, sources=sources, budget=controller.budget,
+                              choose_budget=controller.choose_from_scores if controller.awaiting_scores else None,
+                              pricer=controller.pricer)
 
     if streamer is not None:
         streamer.put(input_ids.cpu())
-    # Prefill: the first token comes from the prompt's forward, as in plain decoding.
-    row = session.prefill(input_ids[:, num_pad:]).float()
-    processed = logits_processor(input_ids, row) if len(logits_processor) else row
+    # Prefill: the first token comes from the prompts' forward, as in plain decoding.
+    logits = (session.prefill(input_ids, mask) if rows > 1 else session.prefill(input_ids[:, pads[0]:])).float()
+    processed = logits_processor(input_ids, logits) if len(logits_processor) else logits
     first = _pick(processed, do_sample)
     scores = [processed] if want_scores else []
-    raw_logits = [row] if want_logits else []
-    ids = torch.cat([input_ids, first], dim=1)
+    raw_logits = [logits] if want_logits else []
     if streamer is not None:
         streamer.put(first.cpu())
-    done = first_stop(stopping_criteria, ids, 1) is not None
+    sequences = [torch.cat([input_ids[i:i + 1], first[i:i + 1]], dim=1) for i in range(rows)]
+    records: list[list[RoundRecord]] = [[] for _ in range(rows)]
+    active = [i for i in range(rows) if first_stop(stopping_criteria, sequences[i], 1) is None]
+    if active and len(active) < rows:
+        session.keep_rows(active)
 
-    rounds: list[RoundRecord] = []
-    guard = resolve_guard(tree_guard, guardable=not (want_scores or want_logits) and num_pad == 0)
     handed_off = False
-    while not done:
-        if guard is not None and guard.should_hand_off:  # slower than plain steps: transformers' loop from here
-            start = ids.shape[1]
-            ids = hand_off(model, session, ids, logits_processor, stopping_criteria, generation_config, streamer)
-            rounds.extend(RoundRecord.plain_step(token) for token in ids[0, start:].tolist())
+    while active:
+        choice = controller.next_round(len(active), session.policy.budget)
+        if choice.plain:  # TreeSpark rounds no longer pay: transformers' loop from here
+            finish_plain(model, session, active, sequences, pads, records, stopping_criteria, logits_processor,
+                         generation_config, streamer)
             handed_off = True
             break
-        probe = guard is not None and guard.probing  # the root alone: a plain step, its forward timed
+        session.apply(choice.budget, choice.gate)
         began = time.perf_counter()
-        with session.timer("round") if session.timer is not None else nullcontext():
-            rnd = session.step([ids[0, num_pad:]], [ids], probe)[0]
-            ids, new_tokens, done = _committed(rnd, ids, stopping_criteria)
+        with tree_timer("round") if tree_timer is not None else nullcontext():
+            rounds = session.step([sequences[i][0, pads[i]:] for i in active], [sequences[i] for i in active],
+                                  choice.probe)
+            committed, still = _commit(rounds, active, sequences, stopping_criteria)
+            kept = committed[0].shape[1]
             if want_scores:
-                scores.extend(rnd.acceptance.scores[:new_tokens.shape[1]])
+                scores.extend(rounds[0].acceptance.scores[:kept])
             if want_logits:
-                raw_logits.extend(rnd.acceptance.raw_logits[:new_tokens.shape[1]])
+                raw_logits.extend(rounds[0].acceptance.raw_logits[:kept])
             if streamer is not None:
-                streamer.put(new_tokens.cpu())
+                streamer.put(committed[0].cpu())
         seconds = time.perf_counter() - began
-        rounds.append(RoundRecord.of(rnd, new_tokens[0].tolist(), tree_record, seconds))
-        if guard is not None:
-            guard.observe(rnd.verify_seconds if probe else seconds, new_tokens.shape[1], probe, rnd.verify_seconds)
+        timed = None if session.batched else seconds  # a batch's rows share each round
+        for i, rnd, tokens in zip(active, rounds, committed, strict=True):
+            records[i].append(RoundRecord.of(rnd, tokens[0].tolist(), tree_record, timed))
+        controller.observe(session.budget, [rnd.tokens.shape[1] for rnd in rounds], [t.shape[1] for t in committed],
+                           seconds, choice.probe, rounds[0].verify_seconds)
+        if len(still) < len(active):
+            active = [active[p] for p in still]
+            if active:
+                session.keep_rows(still)
 
     if streamer is not None and not handed_off:  # transformers' loop ended the stream it took over
         streamer.end()
-    if datastore is not None:  # growing with use, where the datastore keeps added outputs (`grow_tokens`)
-        datastore.add(ids[0, max(0, input_ids.shape[1] - HEADER_TOKENS):].tolist())
-    # The target's cache of the committed text (left padding excluded), as plain decoding leaves it: every
-    # token but the last. A round cut short by a stop had cached entries past it.
-    session.cache.crop(ids.shape[1] - 1 - num_pad - session.cache.get_seq_length())  # (minus the entries to drop)
+    if datastore is not None:  # growing with use (`grow_tokens`): each row's output, padding excluded
+        for i in range(rows):
+            datastore.add(sequences[i][0, max(pads[i], input_ids.shape[1] - HEADER_TOKENS):].tolist())
+    return _output(sequences, pads, pad, records, scores if want_scores else None,
+                   raw_logits if want_logits else None, session, controller, generation_config)
+
+
+def _output(sequences: list[torch.Tensor], pads: list[int], pad: int | None, records: list[list[RoundRecord]],
+            scores: list | None, raw_logits: list | None, session: DecodingSession, controller: RoundController,
+            generation_config: GenerationConfig):
+    """What the call returns (see `treespark_decoding`): the rows' `sequences` (`[1, T_i]` each) as one tensor,
+    padded on the right with `pad` (a batch), or `return_dict_in_generate`'s output."""
+    rows = len(sequences)
+    if rows == 1:
+        # The target's cache of the committed text (left padding excluded), as plain decoding leaves it: every
+        # token but the last. A round cut short by a stop had cached entries past it.
+        ids = sequences[0]
+        session.cache.crop(ids.shape[1] - 1 - pads[0] - session.cache.get_seq_length())  # (minus the entries to drop)
+    else:
+        ids = torch.full((rows, max(seq.shape[1] for seq in sequences)), pad, dtype=sequences[0].dtype,
+                         device=sequences[0].device)
+        for i, seq in enumerate(sequences):
+            ids[i, :seq.shape[1]] = seq[0]
     if not generation_config.return_dict_in_generate:
         return ids
-    return _output(ids, scores if want_scores else None, raw_logits if want_logits else None, rounds, session,
-                   generation_config.use_cache)
-
-
-def _output(ids, scores, raw_logits, rounds, session, use_cache: bool) -> TreeSparkGenerateOutput:
-    """`return_dict_in_generate`'s output of a batch-1 call (`scores`/`raw_logits` None where not asked for)."""
-    mean, by_depth = acceptance_stats(rounds, session.policy.depth)
+    depth = session.policy.depth
+    if rows > 1:
+        stats = [acceptance_stats(r, depth) for r in records]
+        return TreeSparkGenerateOutput(sequences=ids, rounds=records, acceptance_length=[m for m, _ in stats],
+                                       acceptance_by_depth=[d for _, d in stats], tree_budget=controller.first_budget)
+    mean, by_depth = acceptance_stats(records[0], depth)
     return TreeSparkGenerateOutput(sequences=ids, scores=None if scores is None else tuple(scores),
-                                   logits=None if raw_logits is None else tuple(raw_logits), rounds=rounds,
+                                   logits=None if raw_logits is None else tuple(raw_logits), rounds=records[0],
                                    acceptance_length=mean, acceptance_by_depth=by_depth,
-                                   tree_budget=session.policy.budget, cache=session.cache if use_cache else None)
+                                   tree_budget=session.policy.budget,
+                                   cache=session.cache if generation_config.use_cache else None)
 
 
 class TreeSparkCandidateGenerator(CandidateGenerator):

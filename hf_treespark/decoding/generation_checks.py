@@ -1,9 +1,9 @@
 """What a TreeSpark `generate()` call accepts: refusals by name, and the per-call knobs resolved.
 
-Apart from the decoding loops so that a reader of `generation.py` and `generation_batch.py` sees the loop, not
-the input validation: every check here raises a one-line error that names the argument and what to do, before
-the target runs a forward; the `resolve_*` functions turn `tree_*` arguments into the policy, gate threshold and
-datastore a session takes.
+Apart from the decoding loop so that a reader of `generation.py` sees the loop, not the input validation: every
+check here raises a one-line error that names the argument and what to do, before the target runs a forward; the
+`resolve_*` functions turn `tree_*` arguments into the policy, datastore and sources a session takes (the gate
+threshold: `controller.resolve_gate`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from transformers import DynamicCache, GenerationConfig
 
 from ..core.tree import TreePolicy
 from ..sources.datastore import DATASTORE_FILE, Datastore, DatastoreError
-from .budget import gate_threshold
 
 
 def resolve_policy(drafter, tree_budget=None, tree_topk=None, tree_depth=None, tree_frontier=None,
@@ -27,19 +26,6 @@ def resolve_policy(drafter, tree_budget=None, tree_topk=None, tree_depth=None, t
     return TreePolicy.from_config(drafter.config, budget=tree_budget, topk=tree_topk, depth=tree_depth,
                                   frontier=tree_frontier, chain=tree_chain, lookup=tree_lookup,
                                   vocab_size=drafter.draft_vocab_size)
-
-
-def resolve_gate(model, drafter, policy: TreePolicy, tree_gate="auto") -> float:
-    """The drafter gate's threshold for this call (`lookup.DrafterGate`): `"auto"` (this device's,
-    `budget.gate_threshold`) or a number >= 0 (0: the drafter drafts every round that is not lookup-only).
-    Raises `ValueError` for anything else."""
-    if isinstance(tree_gate, str) and tree_gate == "auto":
-        return gate_threshold(model, drafter, policy) if policy.lookup else 0.0
-    threshold = real_scalar(tree_gate)
-    if threshold is None or not threshold >= 0:
-        raise ValueError(f'tree_gate={tree_gate!r} is invalid: use "auto" or a number >= 0 (drafted tokens a '
-                         "drafter round must get accepted on average; 0 = always draft)")
-    return threshold
 
 
 def real_scalar(value) -> float | None:

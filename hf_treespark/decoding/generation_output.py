@@ -1,7 +1,7 @@
 """What a TreeSpark `generate()` call returns: per-round records, the output type, and where a stop cuts a round.
 
-Apart from the decoding loops (`generation.py` for one row, `generation_batch.py` for a batch) because both build
-the same records and output, and both cut a round's tokens where plain decoding would have stopped (`first_stop`);
+Apart from the decoding loop (`generation.py`) because the hand-off to transformers' loop (`handoff.py`) builds
+the same records and output, and the loop cuts a round's tokens where plain decoding would have stopped (`first_stop`);
 the package's entry and the demo read these types without the loops.
 """
 

