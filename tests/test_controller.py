@@ -39,6 +39,19 @@ def test_a_branch_that_stops_agreeing_gives_way_to_the_tree_and_a_drafter_that_m
     assert r.wants_chain(0, 0, 0)
 
 
+def test_a_branch_that_agrees_with_all_a_tree_round_committed_is_followed_into_the_next_rounds():
+    p = pricer()
+    before = p.chain[2]
+    p.observe("tree", 2, [5, 6, 7, 8], [5, 6], 1, None, 1.5)  # the tree stopped after 2 tokens the branch had too
+    assert p.chain[2] == before and len(p.open) == 1  # how far the branch would have gone is not known yet
+    p.observe("tree", 0, [], [7, 9], 1, None, 1.5)  # the next round: the branch's third token, then another
+    assert p.chain[2] == pytest.approx((1 - ctl.PRICE_SMOOTHING) * before + ctl.PRICE_SMOOTHING * 3)
+    assert not p.open
+    q = pricer()
+    q.observe("tree", 2, [5, 6, 7, 8], [5, 9], 1, None, 1.5)  # disagrees inside the round: counted at once
+    assert q.chain[2] == pytest.approx((1 - ctl.PRICE_SMOOTHING) * ctl.CHAIN_PRIOR[2] + ctl.PRICE_SMOOTHING * 1)
+
+
 def test_a_row_without_a_tree_for_a_while_drafts_one_so_its_estimate_follows_the_text():
     p = pricer()
     for _ in range(ctl.PRICE_EXPLORE):

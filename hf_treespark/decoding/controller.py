@@ -183,7 +183,8 @@ class RoundPricer:
     matches: a plain step), or the drafter's tree with the lookup branches and the branch sources' nodes. For the
     length `n` of the text's longest suffix match (0, 1, 2, 3 or more tokens) the pricer keeps two estimates of the
     tokens a round commits beyond its bonus: `chain[n]`, what the best branch gets accepted (seen after every round
-    with a branch: the branch against the tokens the round committed, whatever the round verified), and `tree[n]`,
+    with a branch: the branch against the tokens committed from that round on, whatever the rounds verified; a
+    branch that still agrees with all a tree round committed is followed into the next rounds), and `tree[n]`,
     what a tree round got accepted (seen in tree rounds). Each kind's cost is what its rounds took (seconds, every
     round timed on a CPU), priced before any is seen by the cost table (`chain_cost`, `tree_cost` in plain steps).
     The round with the most tokens per second runs; a row that went `PRICE_EXPLORE` rounds without a tree drafts
@@ -202,6 +203,7 @@ class RoundPricer:
         self.seconds = {"tree": None, "chain": None}  # running seconds per prior plain step, by kind
         self.idle = 0  # rounds since the last tree round
         self.sources: dict[str, list[float]] = {}  # flag -> [running gain - cost per round, rounds resting]
+        self.open: list[list] = []  # [n, branch, tokens it agreed with so far]: branches still agreeing
 
     def tree_price(self, extra: int) -> float:
         """A tree round's cost before it is seen, in plain steps: the budget's, plus `extra` nodes beyond it."""
@@ -227,13 +229,7 @@ class RoundPricer:
         it committed (`tokens`: accepted, then the bonus), its `accepted` nodes, its wall `seconds` (None: not
         timed) and its cost as priced (`prior_cost`, plain steps)."""
         n = min(n, 3)
-        if branch:
-            agreed = 0
-            for drafted, committed in zip(branch, tokens, strict=False):
-                if drafted != committed:
-                    break
-                agreed += 1
-            self.chain[n] = _ema(self.chain[n], agreed)
+        self._follow([n, list(branch), 0] if branch else None, tokens)
         if kind == "tree":
             self.tree[n] = _ema(self.tree[n], accepted)
             self.idle = 0
@@ -244,6 +240,26 @@ class RoundPricer:
             self.unit = per_step if self.unit is None else _ema(self.unit, per_step)
             old = self.seconds[kind]
             self.seconds[kind] = per_step if old is None else _ema(old, per_step)
+
+    def _follow(self, new: list | None, tokens: list[int]) -> None:
+        """Match the open branches (and `new`, this round's best branch) against the tokens this round committed;
+        a branch that disagrees, or agreed to its end, updates `chain[n]` with the tokens it agreed with. A tree
+        round commits what its own nodes got accepted, so a branch that agreed with all of it stays open until the
+        next rounds show how far it would have gone."""
+        still = []
+        for entry in self.open + ([new] if new is not None else []):
+            n, branch, agreed = entry
+            for token in tokens:
+                if agreed == len(branch) or branch[agreed] != token:
+                    break
+                agreed += 1
+            done = agreed == len(branch) or agreed - entry[2] < len(tokens)
+            if done:
+                self.chain[n] = _ema(self.chain[n], agreed)
+            else:
+                entry[2] = agreed
+                still.append(entry)
+        self.open = still
 
     def source_open(self, flag: str) -> bool:
         """Whether the source flagged `flag` proposes nodes this round."""

@@ -3,7 +3,8 @@
 `publish_state` writes every rank's accelerate state into `.tmp-step-N`, then the run state, then renames once, so
 a crash anywhere leaves the previous checkpoints untouched. `TrainerCheckpoints` (a mixin of `Trainer`) saves,
 finds the latest complete checkpoint and resumes from it, refusing one of another configuration (preset, data
-position fields, drafter architecture) before loading, naming what differs.
+position fields, drafter architecture, the parts `--train-only` trains) before loading, naming what differs. The
+run state keeps the best development evaluation so far (`best_checkpoint`).
 
 Nothing in a checkpoint is unpickled: a checkpoint directory may come from someone else, and a pickle runs code.
 The weights are safetensors, the run state and the learning-rate schedule JSON (`trainer_state.json`), and the
@@ -19,6 +20,9 @@ import os
 import shutil
 from dataclasses import asdict
 from pathlib import Path
+
+from .best_checkpoint import checked_best_state
+from .freeze import all_parts, describe
 
 
 def publish_state(accelerator, final: Path, write_run_state) -> None:
@@ -66,7 +70,8 @@ class TrainerCheckpoints:
 
         def write_run_state(tmp: Path) -> None:
             state = {"step": self.step, "anchors_seen": self.anchors_seen, "config": _jsonable(self.config),
-                     "drafter_config": self._drafter_fields(), "scheduler": _scheduler_state(self.scheduler)}
+                     "drafter_config": self._drafter_fields(), "scheduler": _scheduler_state(self.scheduler),
+                     "trained_parts": self.trained_parts, "best": self.best}
             # the whole drafter config, for `treespark export` (training.export)
             self.unwrapped_drafter().config.to_json_file(str(tmp / "drafter_config.json"))
             (tmp / "trainer_state.json").write_text(json.dumps(state))
@@ -105,13 +110,18 @@ class TrainerCheckpoints:
         for key in sorted(set(saved) & set(now)):
             if saved[key] != now[key]:
                 conflicts.append(f"drafter {key} {saved[key]!r} there, {now[key]!r} here")
+        everything = all_parts(self.drafter.config)  # no --train-only (a checkpoint of before it: the same)
+        saved_parts, parts = state.get("trained_parts") or everything, self.trained_parts or everything
+        if tuple(saved_parts) != tuple(parts):
+            conflicts.append(f"--train-only {describe(_or_none(saved_parts, everything))} there, "
+                             f"{describe(_or_none(parts, everything))} here")
         return conflicts
 
     def resume(self) -> bool:
         """Load the latest complete checkpoint, if any.
 
-        A checkpoint of another configuration (preset, drafter architecture) is refused before loading, naming
-        what differs; one that cannot be loaded is refused with its path.
+        A checkpoint of another configuration (preset, drafter architecture, trained parts) is refused before
+        loading, naming what differs; one that cannot be loaded is refused with its path.
         """
         path = self.latest_checkpoint()
         if path is None:
@@ -163,6 +173,7 @@ class TrainerCheckpoints:
                 custom_objects.remove(self.scheduler)
         self.step = int(state["step"])
         self.anchors_seen = int(state.get("anchors_seen", 0))
+        self.best = state.get("best")
         if self.accelerator.is_main_process:
             print(f"[train] resumed from {path} at step {self.step} of {self.total_steps}")
         saved_precision = state.get("config", {}).get("mixed_precision")
@@ -200,7 +211,15 @@ def _checked_trainer_state(state) -> dict:
     for key in ("config", "drafter_config", "scheduler"):
         if key in state and not isinstance(state[key], dict):
             raise ValueError(f"{key!r} is a JSON {type(state[key]).__name__}, not an object")
-    return state
+    parts = state.get("trained_parts")
+    if parts is not None and not (isinstance(parts, list) and all(isinstance(part, str) for part in parts)):
+        raise ValueError(f"'trained_parts' is {parts!r}, not a list of part names")
+    return {**state, "best": checked_best_state(state.get("best"))}
+
+
+def _or_none(parts, everything: tuple[str, ...]) -> tuple[str, ...] | None:
+    """`parts`, or None where they are the whole drafter (`everything`): for `freeze.describe`."""
+    return None if tuple(parts) == tuple(everything) else tuple(parts)
 
 
 def _scheduler_state(scheduler) -> dict:

@@ -35,6 +35,7 @@ import sys
 from pathlib import Path
 
 from ..arg_types import json_object
+from .freeze import PART_HELP
 from .objective import LABELS
 from .text_references import LABELS_HELP
 from .trainer import PRESETS
@@ -42,12 +43,17 @@ from .trainer import PRESETS
 LOSS_KEYS = ("ce", "l1", "conf", "surv", "cov", "gamma", "coverage_top_j", "coverage_margin", "coverage_cap",
              "replay_anchors")  # the fields of objective.LossConfig (kept in step by a test)
 
+DATA_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz")  # the files --data reads (train_help.DATA_SOURCES says what)
 DRAFT_LAYERS = 2  # a fresh drafter's transformer layers when --draft-layers is not given
 DEFAULT_MASK_TOKEN_ID = 16  # SmolLM2: a code-corpus marker chat text never produces
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The training options, shared by `treespark train` and `examples/train_drafter.py`."""
+    """The training options, shared by `treespark train` and `examples/train_drafter.py`; the data sources and
+    losses they name are listed after them (`train_help`)."""
+    from .train_help import DESCRIPTION, epilog
+
+    p.description, p.epilog = p.description or DESCRIPTION, epilog()
     p.add_argument("--target", default="default", help="'default' (offline SmolLM2-135M-Instruct) or a name/path")
     p.add_argument("--data", nargs="*", default=[],
                    help="training data, any mix of: regeneration JSONL (prompt_ids, response_ids: the target's own "
@@ -67,6 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-dir", required=True, help="checkpoints, metrics, feature cache and final/ drafter")
     p.add_argument("--preset", choices=sorted(PRESETS), default="treespark", help="losses and drafter shape")
     p.add_argument("--init-from", help="start from this drafter instead of a fresh one")
+    p.add_argument("--train-only", metavar="PARTS", help=PART_HELP)
     p.add_argument("--draft-layers", type=int, default=None,
                    help=f"drafter transformer layers (default {DRAFT_LAYERS}); with --init-from, more than the "
                         "drafter has adds layers that start as the identity (see grow_layers)")
@@ -117,7 +124,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         + ", ".join(LOSS_KEYS))
     p.add_argument("--eval-every", type=int, default=0,
                    help="optimizer steps between learning-curve points: acceptance on a development set, written to "
-                        "OUTPUT_DIR/metrics.jsonl and plotted to OUTPUT_DIR/learning_curve.png (0: off)")
+                        "OUTPUT_DIR/metrics.jsonl and plotted to OUTPUT_DIR/learning_curve.png; the drafter of the "
+                        "highest dev_acceptance_length is kept in OUTPUT_DIR/best/ (0: off)")
     p.add_argument("--eval-budget", type=int, default=8, help="tree budget N of those evaluations")
     p.add_argument("--dev-data", help="development references (JSONL with prompt_ids and response_ids, the target's "
                                       "greedy answers); default: the committed development set, 207 held-out prompts "
@@ -175,7 +183,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     for path in args.data:
         if not Path(path).is_file():
             raise FileNotFoundError(f"--data {path}: no such file")
-        if not str(path).endswith((".txt", ".jsonl", ".jsonl.gz")):
+        if not str(path).endswith(DATA_SUFFIXES):
             raise ValueError(f"--data {path}: give .jsonl[.gz] files (regeneration records or chats) or .txt files")
     if Path(args.output_dir).exists() and not Path(args.output_dir).is_dir():
         raise NotADirectoryError(f"--output-dir {args.output_dir} is a file: give a directory")
@@ -479,6 +487,7 @@ def interrupted_message(out: Path, prog: str) -> str:
 def _train(args: argparse.Namespace) -> int:
     """`run` itself."""
     from .datastore_inputs import load_tokenizer
+    from .freeze import resolve_parts
     from .objective import LossConfig
     from .text_references import load_training_data
     from .trainer import TrainConfig, Trainer, build_accelerator
@@ -493,7 +502,7 @@ def _train(args: argparse.Namespace) -> int:
                          save_every=args.save_every, seed=args.seed,
                          feature_cache=cache, tensorboard=args.tensorboard, eval_every=args.eval_every,
                          eval_budget=args.eval_budget, mixed_precision=args.mixed_precision,
-                         loss=LossConfig(**args.loss), labels=args.labels)
+                         loss=LossConfig(**args.loss), labels=args.labels, train_only=args.train_only)
     # First, before anything else touches accelerate's state: under torchrun this joins the process group.
     accelerator = build_accelerator(config)
     target_config = load_target_config(args.target)
@@ -501,6 +510,7 @@ def _train(args: argparse.Namespace) -> int:
         raise ValueError(f"--draft-vocab-size {args.draft_vocab_size} exceeds the target's vocabulary of "
                          f"{target_config.vocab_size} ids; use at most that, or 0 for the whole vocabulary")
     check_memory(args, target_config, accelerator.device)
+    resolve_parts(args.train_only, planned_drafter_config(args, target_config))  # a part it lacks: refused now
     needs_dev_set = args.eval_every > 0 and not args.dev_data and not args.regenerate_only
     target, tokenizer = load_target(args.target, with_tokenizer=bool(args.regenerate) or needs_dev_set)
     data = [Path(p) for p in args.data]
@@ -528,6 +538,7 @@ def _train(args: argparse.Namespace) -> int:
         print(f"learning curve: {plot_learning_curve(out / 'metrics.jsonl', out / 'learning_curve.png')}")
     if accelerator.is_main_process:
         from ..hub.sharing import save_drafter
+        from .best_checkpoint import final_and_best
         from .push import push_trained_drafter
 
         drafter = trainer.unwrapped_drafter()
@@ -539,6 +550,8 @@ def _train(args: argparse.Namespace) -> int:
             print(f"trained {result['steps']} steps (to step {trainer.step} of {trainer.total_steps}) in "
                   f"{result['seconds']:.0f} s on {accelerator.num_processes} process(es); drafter saved to "
                   f"{out / 'final'}")
+        if args.eval_every:
+            print(final_and_best(out, trainer.step, trainer.best))
         if args.push_to_hub:
             commit = push_trained_drafter(drafter, args.push_to_hub, out / "final")
             print(f"[push] uploaded to {getattr(commit, 'commit_url', None) or args.push_to_hub}")

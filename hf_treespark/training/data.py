@@ -28,8 +28,10 @@ from tqdm.auto import tqdm
 
 from ..hub.assets import sharegpt_first_turns
 from ..records import json_records
+from .held_out import asks_evaluated, evaluated_texts, normalised
 
 logger = logging.getLogger(__name__)
+SHAREGPT_MIXTURE_SOURCES = ("sharegpt", "sharegpt_turns", "sharegpt_tail", "sharegpt_tail_turns")  # mixture names
 
 # ShareGPT speakers -> chat roles. ShareGPT V3 names the model "gpt" mostly, "chatgpt"/"bing"/"bard" sometimes.
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
@@ -139,10 +141,13 @@ def sharegpt_chat_prompts(split: str = "train", limit: int | None = None, min_ch
     """ShareGPT V3's first human turns (`assets.sharegpt_first_turns`) as chat `Prompt`s, as in
     `training_data/README.md`. ShareGPT ids repeat (123 do in the 17,671 complete records), so a prompt's id is
     `"{record id}@{position}"`. `split="train"`: file positions < 12,000; `"heldout"`: 12,000 to 13,999
-    (evaluation); `"tail"`: 14,000 on (training data beyond the held-out band, `assets.SHAREGPT_TAIL_POSITION`).
+    (evaluation); `"tail"`: 14,000 on (training data beyond the held-out band, `assets.SHAREGPT_TAIL_POSITION`). The
+    training splits leave out a text evaluation reads (`held_out.evaluated_texts`), `limit` counting what is kept.
     """
+    turns = sharegpt_first_turns(split, limit if split == "heldout" else None, min_chars)
+    evaluated = frozenset() if split == "heldout" else evaluated_texts()
     return [Prompt(id=f"{rid}@{position}", messages=[{"role": "user", "content": text}], source="sharegpt")
-            for rid, position, text in sharegpt_first_turns(split, limit, min_chars)]
+            for rid, position, text in turns if normalised(text) not in evaluated][:limit]
 
 
 def sharegpt_later_turn_prompts(limit: int | None = None, min_chars: int = 16, split: str = "train") -> list[Prompt]:
@@ -153,21 +158,21 @@ def sharegpt_later_turn_prompts(limit: int | None = None, min_chars: int = 16, s
     A prompt is the conversation up to and including one human turn of at least `min_chars` characters; its
     id is `"{record id}@{position}#{turn index}"` (the index in the record's `conversations`). Records whose
     turns do not alternate human / assistant from a human first turn, or that name an unknown speaker, are
-    skipped whole (their later turns would answer something other than what the history shows).
+    skipped whole (their later turns would answer something other than what the history shows), and so is a prompt
+    with a turn that evaluation reads (`held_out.evaluated_texts`: ShareGPT repeats conversations).
     """
     from ..hub import assets
 
     if split not in ("train", "tail"):
         raise ValueError(f"split must be 'train' or 'tail', got {split!r}")
-    start = assets.SHAREGPT_TAIL_POSITION if split == "tail" else 0
-    source = "sharegpt_tail_turns" if split == "tail" else "sharegpt_turns"
-    prompts: list[Prompt] = []
+    start, source = (assets.SHAREGPT_TAIL_POSITION, "sharegpt_tail_turns") if split == "tail" else (0, "sharegpt_turns")
+    prompts, evaluated = [], evaluated_texts()
     for position, record in assets.iter_sharegpt(start):
         if split == "train" and position >= assets.SHAREGPT_HELDOUT_POSITION:
             break
         messages = _alternating_messages(record.get("conversations") or [])
         for index in range(2, len(messages or []), 2):
-            if len(messages[index]["content"]) >= min_chars:
+            if len(messages[index]["content"]) >= min_chars and not asks_evaluated(messages[:index + 1], evaluated):
                 prompts.append(Prompt(id=f"{record.get('id')}@{position}#{index}", messages=messages[:index + 1],
                                       source=source))
                 if limit is not None and len(prompts) >= limit:
@@ -300,22 +305,18 @@ def mix_prompts(sources: list[tuple[list[Prompt], float]], total: int, seed: int
 
 @dataclass
 class MixtureEntry:
-    """One `SOURCE:WEIGHT` item of a mixture spec. `kind` is "sharegpt", "sharegpt_turns", "sharegpt_tail",
-    "sharegpt_tail_turns", "hf" or "jsonl"."""
+    """One `SOURCE:WEIGHT` item of a mixture spec. `kind` is one of `SHAREGPT_MIXTURE_SOURCES`, "hf" or "jsonl"."""
 
     kind: str
     name: str
     weight: float
 
     def load(self, limit: int | None = None) -> list[Prompt]:
-        if self.kind == "sharegpt":
-            return sharegpt_chat_prompts("train", limit=limit)
-        if self.kind == "sharegpt_turns":
-            return sharegpt_later_turn_prompts(limit=limit)
-        if self.kind == "sharegpt_tail":
-            return sharegpt_chat_prompts("tail", limit=limit)
-        if self.kind == "sharegpt_tail_turns":
-            return sharegpt_later_turn_prompts(limit=limit, split="tail")
+        if self.kind in SHAREGPT_MIXTURE_SOURCES:  # sharegpt[_tail][_turns]
+            split = "tail" if "_tail" in self.kind else "train"
+            if self.kind.endswith("_turns"):
+                return sharegpt_later_turn_prompts(limit=limit, split=split)
+            return sharegpt_chat_prompts(split, limit=limit)
         if self.kind == "hf":
             return hf_dataset_prompts(self.name, limit=limit)
         return jsonl_prompts(self.name, limit=limit)
@@ -342,7 +343,7 @@ def parse_mixture_spec(spec: str) -> list[MixtureEntry]:
             raise ValueError(f"mixture item {item!r}: weight {weight_text!r} is not a number") from None
         if not math.isfinite(weight) or weight < 0:
             raise ValueError(f"mixture item {item!r}: weight must be finite and >= 0, got {weight_text!r}")
-        if source in ("sharegpt", "sharegpt_turns", "sharegpt_tail", "sharegpt_tail_turns"):
+        if source in SHAREGPT_MIXTURE_SOURCES:
             entries.append(MixtureEntry(source, source, weight))
         elif source.startswith("hf:"):
             if not source[3:]:

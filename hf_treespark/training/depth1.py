@@ -9,7 +9,8 @@ With the block frozen those inputs are fixed per position, so they are computed 
               (safetensors, bf16), resumably
     train     the head alone on shuffled positions: `CE(lm_head(head(...))[S] + W2(W1[x_a]), x_{a+1})`, the LM
               head and the Markov head frozen; AdamW, warm-up then cosine; checkpoints and a learning curve
-              (teacher-forced depth-1 top-1 on development positions extracted the same way)
+              (teacher-forced depth-1 top-1 on development positions extracted the same way); with `--soft-targets K`
+              the target's top-K probabilities are stored too and mixed into the loss (`soft_targets.py`)
 
 A position costs one small MLP and one LM-head product over the draft vocabulary, against a whole block of 7
 slots and 7 depths for an anchor of `treespark train`: several hundred positions per second on a 2-core CPU.
@@ -30,13 +31,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from ..arg_types import at_least, positive_number
 from ..decoding.engine import target_features
+from . import soft_targets as soft
 from .data import ReferenceSequence, collate_references
 
 SHARD_POSITIONS = 8192  # positions per shard: a run killed during extraction extracts at most these again
@@ -112,6 +113,7 @@ class PositionShards:
             return fresh if self.data is None else {**fresh, "data": self.data}
         state = read_progress(self.progress_path)
         if state.get("signature") != self.signature:
+            soft.check_soft_targets(state.get("signature"), soft.signature_soft_targets(self.signature), self.directory)
             raise ValueError(f"{self.directory} holds positions extracted for another drafter or target (signature "
                              f"{state.get('signature')}, this drafter's is {self.signature}): give another "
                              "directory or delete it")
@@ -150,7 +152,7 @@ class PositionShards:
         data, at = None, 0
         for i in range(len(counts)):
             with self._open(i) as f:
-                shard = {k: f.get_tensor(k)[: total - at] for k in FIELDS}
+                shard = {k: f.get_tensor(k)[: total - at] for k in f.keys()}  # FIELDS, and SOFT_FIELDS if held
             if data is None:
                 data = {k: v.new_empty((total, *v.shape[1:])) for k, v in shard.items()}
             for k, v in shard.items():
@@ -174,15 +176,17 @@ class PositionShards:
 
 
 @torch.no_grad()
-def reference_positions(target, drafter, ref: ReferenceSequence, chunk: int = 96) -> dict[str, torch.Tensor]:
+def reference_positions(target, drafter, ref: ReferenceSequence, chunk: int = 96,
+                        soft_k: int = 0) -> dict[str, torch.Tensor]:
     """Every response position of `ref`, one tensor per field of `FIELDS` (the drafter's head off): `features`
-    `[P, n_layers * d]` (bf16, the target's at `a - 1`), `hidden` `[P, d]` (bf16, `h_1`), `token` and `label` `[P]`."""
+    `[P, n_layers * d]` (bf16, the target's at `a - 1`), `hidden` `[P, d]` (bf16, `h_1`), `token` and `label` `[P]`;
+    with `soft_k`, also `soft.SOFT_FIELDS` `[P, soft_k]`: the target's top-K at `a` from the same forward."""
     device = next(target.parameters()).device
     batch = {k: v.to(device) for k, v in collate_references([ref], pad_id=0).items()}
     ids = batch["input_ids"][0]
-    feats, _ = target_features(target, drafter.config.target_layer_ids, batch["input_ids"], batch["attention_mask"])
+    feats, final = target_features(target, drafter.config.target_layer_ids, batch["input_ids"], batch["attention_mask"])
     anchors = torch.arange(max(ref.prompt_len, 1), len(ids) - 1, device=device)
-    columns = {k: [] for k in FIELDS}
+    columns = {k: [] for k in FIELDS + (soft.SOFT_FIELDS if soft_k else ())}
     for start in range(0, len(anchors), chunk):
         a = anchors[start:start + chunk]
         out = drafter(anchor_ids=ids[a][None], anchor_positions=a[None], target_features=feats, return_logits=False)
@@ -191,13 +195,18 @@ def reference_positions(target, drafter, ref: ReferenceSequence, chunk: int = 96
                                  .to(torch.bfloat16))
         columns["token"].append(ids[a])
         columns["label"].append(ids[a + 1])
+        if soft_k:  # the target's logits at `a` from its final states: no second forward
+            for k, v in soft.top_k_targets(target.get_output_embeddings()(final[0, a]), soft_k,
+                                           drafter.draft_vocab_ids).items():
+                columns[k].append(v)
     return {k: torch.cat(v).cpu() for k, v in columns.items()}  # shards are written from the CPU
 
 
 @torch.no_grad()
 def extract(target, drafter, references: list[ReferenceSequence], shards: PositionShards, chunk: int = 96,
-            shard_positions: int = SHARD_POSITIONS, progress: bool = True) -> dict:
-    """Write every response position of `references` (in order, resuming after those done) to `shards`.
+            shard_positions: int = SHARD_POSITIONS, progress: bool = True, soft_k: int = 0) -> dict:
+    """Write every response position of `references` (in order, resuming after those done) to `shards` (with the
+    target's top-`soft_k` soft targets when `soft_k > 0`: `reference_positions`).
 
     A shard holds whole references and `progress.json` names it only once it is written: a run killed anywhere
     extracts again at most the references after the last shard, and never twice. On an interrupt
@@ -209,7 +218,7 @@ def extract(target, drafter, references: list[ReferenceSequence], shards: Positi
         with head_off(drafter):
             for n in tqdm(range(state["references_done"], len(references)), desc="extracting depth-1 positions",
                           disable=not progress):
-                pending.append((n, reference_positions(target, drafter, references[n], chunk)))
+                pending.append((n, reference_positions(target, drafter, references[n], chunk, soft_k)))
                 count += len(pending[-1][1]["label"])
                 if count >= shard_positions or n == len(references) - 1:
                     state = _write_references(shards, pending, state)
@@ -225,7 +234,7 @@ def extract(target, drafter, references: list[ReferenceSequence], shards: Positi
 
 def _write_references(shards: PositionShards, pending: list[tuple[int, dict]], state: dict) -> dict:
     """One shard of the consecutive references `pending`; the progress after them."""
-    return shards.write({k: [p[k] for _, p in pending] for k in FIELDS}, state, pending[-1][0] + 1)
+    return shards.write({k: [p[k] for _, p in pending] for k in pending[0][1]}, state, pending[-1][0] + 1)
 
 
 def load_checkpoint(path: Path) -> dict:
@@ -243,15 +252,17 @@ class Depth1Trainer:
     """The head's optimisation on extracted positions (see the module docstring); resumable from `output_dir`."""
 
     def __init__(self, drafter, output_dir: str | Path, lr: float = 1e-3, batch_size: int = 256,
-                 warmup: int = 200, weight_decay: float = 0.0, seed: int = 0, data: dict | None = None):
+                 warmup: int = 200, weight_decay: float = 0.0, seed: int = 0, data: dict | None = None,
+                 soft_weight: float = 0.0):
         """`data`: the `data_fingerprint` of the positions trained on, kept in the checkpoint; a checkpoint of
-        other data is refused on resume."""
+        other data is refused on resume. `soft_weight`: the soft targets' share of the loss (`soft.head_loss`)."""
         if drafter.depth1_head is None:
             raise ValueError("this drafter has no depth-1 head: grow it first (grow_depth1_head)")
         self.drafter = drafter
         self.out = Path(output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         self.lr, self.batch_size, self.warmup, self.seed, self.data = lr, batch_size, warmup, seed, data
+        self.soft_weight = soft_weight
         for name, p in drafter.named_parameters():
             p.requires_grad_(name.startswith("depth1_head."))
         self.params = [p for p in drafter.depth1_head.parameters()]
@@ -306,6 +317,8 @@ class Depth1Trainer:
                  "optimizer": self.optimizer.state_dict()}
         if self.data is not None:
             state["data"] = self.data
+        if self.soft_weight:
+            state["soft_weight"] = self.soft_weight
         tmp = self.out / "checkpoint.pt.tmp"
         torch.save(state, tmp)
         tmp.replace(self.out / "checkpoint.pt")
@@ -320,6 +333,7 @@ class Depth1Trainer:
             raise ValueError(f"{path} holds a head trained on other data ({describe_data(held)}), not on "
                              f"{describe_data(self.data)}: give another output directory, or delete it to train "
                              "from the start")
+        soft.check_soft_weight(state.get("soft_weight", 0.0), self.soft_weight, path)
         try:
             self.drafter.depth1_head.load_state_dict(state["head"])
             self.optimizer.load_state_dict(state["optimizer"])
@@ -357,7 +371,7 @@ class Depth1Trainer:
                 self.drafter.train()
                 for group in self.optimizer.param_groups:
                     group["lr"] = self.rate(total_steps)
-                loss = F.cross_entropy(self.logits(data, rows), labels[rows], ignore_index=-100)
+                loss = soft.head_loss(self.logits(data, rows), labels[rows], data, rows, self.soft_weight)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 stepping = True
@@ -420,11 +434,14 @@ def add_arguments(p) -> None:
                                       "default target, training_data/dev/dev_set.jsonl.gz; another --target answers "
                                       "the same prompts once into OUTPUT_DIR/dev_set.jsonl.gz)")
     p.add_argument("--width", type=at_least(1), default=2048, help="the head's MLP width (a fresh head)")
+    p.add_argument("--fresh-head", action="store_true", help="replace the drafter's depth-1 head, if it has one, by "
+                   "a fresh one of --width (to compare losses or data from the same start); default: train its head")
     p.add_argument("--epochs", type=positive_number, default=2.0, help="passes over the extracted positions")
     p.add_argument("--lr", type=positive_number, default=1e-3, help="peak learning rate (warm-up, cosine to a tenth)")
     p.add_argument("--batch-size", type=at_least(1), default=256,
                    help="positions per optimizer step (all of them when there are fewer)")
     p.add_argument("--eval-every", type=at_least(1), default=500, help="steps between development evaluations")
+    soft.add_soft_arguments(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", required=True,
                    help="positions, checkpoint, metrics.jsonl and the trained drafter (final/); rerun the same "
@@ -445,16 +462,22 @@ def check_arguments(args) -> None:
         raise FileNotFoundError(f"{flag} {path}: {what}")
     if Path(args.output_dir).exists() and not Path(args.output_dir).is_dir():
         raise NotADirectoryError(f"--output-dir {args.output_dir} is a file: give a directory")
+    soft.check_soft_arguments(args)
 
 
-def refuse_other_data(out: Path, data: dict) -> None:
+def refuse_other_data(out: Path, data: dict, soft_k: int = 0, soft_weight: float = 0.0) -> None:
     """Before anything loads: refuse an `out` whose positions or head come from other data than `data` (a
-    `data_fingerprint`), naming both and what to do; warn that those of an earlier version cannot be checked."""
+    `data_fingerprint`), or with soft targets of another K than `soft_k` or another weight than `soft_weight`, naming
+    both and what to do; warn that those of an earlier version cannot be checked."""
     held = {}
     if (out / "positions" / "progress.json").is_file():
-        held[out / "positions"] = read_progress(out / "positions" / "progress.json").get("data")
+        state = read_progress(out / "positions" / "progress.json")
+        soft.check_soft_targets(state.get("signature"), soft_k, out / "positions")
+        held[out / "positions"] = state.get("data")
     if (out / "checkpoint.pt").is_file():
-        held[out / "checkpoint.pt"] = load_checkpoint(out / "checkpoint.pt").get("data")
+        state = load_checkpoint(out / "checkpoint.pt")
+        soft.check_soft_weight(state.get("soft_weight", 0.0), soft_weight, out / "checkpoint.pt")
+        held[out / "checkpoint.pt"] = state.get("data")
     other = [d for d in held.values() if d is not None and d.get("fingerprint") != data["fingerprint"]]
     if other:
         raise ValueError(f"{out} holds a run on other data ({describe_data(other[0])}), not on this --data "
@@ -498,23 +521,23 @@ def _run(args) -> int:
     if dev_refs == []:
         raise ValueError(f"--dev-data {args.dev_data} holds no usable reference sequences")
     data = data_fingerprint(references, args.data, args.max_length)
-    refuse_other_data(out, data)
+    refuse_other_data(out, data, args.soft_targets, args.soft_weight)
     target, tokenizer = load_target(args.target, with_tokenizer=dev_refs is None)
     base = TreeSparkDrafter.from_pretrained(args.drafter or DEFAULT_DRAFTER_DIR, dtype=torch.float32)
     stored_dtype = base.config.dtype if isinstance(getattr(base.config, "dtype", None), str) else "bfloat16"
-    drafter = grow_depth1_head(base, args.width).bind_target(target).eval()
+    drafter = grow_depth1_head(base, args.width, fresh=args.fresh_head).bind_target(target).eval()
     if dev_refs is None:  # another target: the development prompts answered by it, once
         dev_refs = load_dev_set(ensure_dev_set(dev_path, target, tokenizer), vocab_size=vocab_size)
     signature = block_signature(drafter)
     dev_data = data_fingerprint(dev_refs, [dev_path], DEV_MAX_LENGTH)
     dev_shards = PositionShards(out / "dev_positions", signature, dev_data)
-    train_shards = PositionShards(out / "positions", signature, data)
+    train_shards = PositionShards(out / "positions", soft.soft_signature(signature, args.soft_targets), data)
     extract(target, drafter, dev_refs, dev_shards, shard_positions=SHARD_POSITIONS)
     done = train_shards.progress()["references_done"]
     if 0 < done < len(references):
         print(f"[train-depth1] resuming extraction at reference {done + 1} of {len(references)} (the positions of "
               f"the first {done} are in {train_shards.directory})")
-    extract(target, drafter, references, train_shards, shard_positions=SHARD_POSITIONS)
+    extract(target, drafter, references, train_shards, shard_positions=SHARD_POSITIONS, soft_k=args.soft_targets)
     trainer = _train(args, drafter, train_shards.load(), {"dev": dev_shards.load()}, len(references), data)
     _compare_and_save(target, drafter, dev_refs, trainer, out, stored_dtype)
     return 0
@@ -527,11 +550,13 @@ def _train(args, drafter, positions: dict, dev: dict, references: int, data: dic
     if n < batch_size:
         print(f"[train-depth1] {n:,} positions, fewer than --batch-size {batch_size}: each step takes all {n:,}")
         batch_size = n
-    trainer = Depth1Trainer(drafter, args.output_dir, lr=args.lr, batch_size=batch_size, seed=args.seed, data=data)
+    trainer = Depth1Trainer(drafter, args.output_dir, lr=args.lr, batch_size=batch_size, seed=args.seed, data=data,
+                            soft_weight=args.soft_weight)
     total = max(1, int(args.epochs * n // batch_size))
     if trainer.resume():
         print(f"[train-depth1] resumed at step {trainer.step} of {total}")
-    print(f"[train-depth1] {n:,} positions from {references} references; {total} steps of {batch_size}")
+    soft_loss = f"; soft targets: top {args.soft_targets} at weight {args.soft_weight:g}" if args.soft_targets else ""
+    print(f"[train-depth1] {n:,} positions from {references} references; {total} steps of {batch_size}{soft_loss}")
     trainer.train(positions, total, dev, eval_every=args.eval_every, save_every=SAVE_EVERY)
     return trainer
 

@@ -14,7 +14,8 @@ labels up to `T - 1` positions, and nothing is generated. On the target's own gr
     train     `Depth1Trainer`'s optimizer, logits and learning rate, on batches drawn from a ring buffer of the last
               `buffer_positions` positions (`distill_stream.py`: nothing stored; `passes` samples per position on
               average), checkpointed with the stream's place; or (`max_disk_gb`) the positions stored as
-              `PositionShards`, then trained as `train-depth1` trains its own
+              `PositionShards`, then trained as `train-depth1` trains its own; with `soft_targets` K the target's
+              top-K probabilities from the same forward are kept too and mixed into the loss (`soft_targets.py`)
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 
 from ..help_format import add_device_option, resolve_device
+from . import soft_targets as soft
 from .depth1 import (
     Depth1Trainer,
     PositionShards,
@@ -90,6 +92,7 @@ def add_arguments(p) -> None:
                                       "OUTPUT_DIR/dev_set.jsonl.gz)")
     p.add_argument("--eval-every", type=int, default=500, help="optimizer steps between development evaluations")
     p.add_argument("--save-every", type=int, default=500, help="optimizer steps between checkpoints")
+    soft.add_soft_arguments(p)
     add_device_option(p, help="where the target, the drafter and the training step run (the positions and the "
                               "shuffle buffer stay there too): cpu, cuda or cuda:N; auto: cuda when this machine has "
                               "a CUDA GPU, else cpu")
@@ -123,18 +126,21 @@ def check_arguments(args) -> list[str]:
                          "runs/treespark/final)")
     if args.dev_data and not Path(args.dev_data).is_file():
         raise ValueError(f"--dev-data {args.dev_data}: no such file")
+    soft.check_soft_arguments(args)
     args.device = str(resolve_device(args.device, kinds=("cpu", "cuda")))
     return check_sources(list(args.sources))
 
 
 def claim_output_dir(out: Path, run: dict[str, str]) -> None:
-    """`OUTPUT_DIR/distil.json` says what the run in it distils (`mode`, `sources`, `drafter` fingerprints); a rerun
-    of other options, or a directory of another kind of run, is refused before anything is written."""
+    """`OUTPUT_DIR/distil.json` says what the run in it distils (`mode`, `sources`, `drafter` fingerprints, and `soft`
+    with soft targets); a rerun of other options, or a directory of another kind of run, is refused before anything
+    is written."""
     path, flags = out / "distil.json", {"mode": "--max-disk-gb (stored or streamed)", "drafter": "--drafter or --width",
-                                        "sources": "--sources, --positions, --anchors, --max-length or --target"}
+                                        "sources": "--sources, --positions, --anchors, --max-length or --target",
+                                        "soft": "--soft-targets or --soft-weight"}
     if path.is_file():
         saved = _read_run_file(path, run)
-        changed = [flags[k] for k, v in run.items() if saved.get(k) != v]
+        changed = [flags[k] for k in flags if saved.get(k) != run.get(k)]
         if changed:
             raise ValueError(f"{out} holds a distil run of other {'; '.join(changed)}: give the same options to "
                              "resume it, or another --output-dir")
@@ -181,11 +187,13 @@ def run(args) -> int:
     drafter = grow_depth1_head(base, args.width, fresh=args.fresh_head).bind_target(target).eval()
     if args.max_disk_gb:
         check_disk_budget(args, drafter)
+    run_file = {} if not args.soft_targets else {"soft": f"top-{args.soft_targets}, weight {args.soft_weight:g}"}
     block = block_signature(drafter)
     signature = block + ("-fresh" if args.fresh_head else "")
     text = sources_fingerprint(sources, args.positions, args.max_length, tokenizer)
     text += "" if args.anchors == "all" else f"-{args.anchors}"  # a run from before the option keeps its own
-    claim_output_dir(out, {"mode": "stored" if args.max_disk_gb else "streamed", "sources": text, "drafter": signature})
+    claim_output_dir(out, {"mode": "stored" if args.max_disk_gb else "streamed", "sources": text, "drafter": signature,
+                           **run_file})
     dev_path = Path(args.dev_data) if args.dev_data else ensure_dev_set(default_dev_set(args.target, out), target,
                                                                          tokenizer)
     dev_refs = load_dev_set(dev_path, vocab_size=target.config.vocab_size)
@@ -193,11 +201,11 @@ def run(args) -> int:
     extract(target, drafter, dev_refs, dev_shards)
     dev = {"dev": {k: v.to(drafter.fc.weight.device) for k, v in dev_shards.load().items()}}
     sequences = text_sequences(sources, tokenizer, args.positions, args.max_length)
+    identity = soft.soft_signature(f"{signature}-{text}", args.soft_targets)
     if args.max_disk_gb:
-        learned = _train_stored(args, target, drafter, sequences, dev,
-                                PositionShards(out / "positions", f"{signature}-{text}"))
+        learned = _train_stored(args, target, drafter, sequences, dev, PositionShards(out / "positions", identity))
     else:
-        learned = _train_streamed(args, target, drafter, sequences, dev, f"{signature}-{text}")
+        learned = _train_streamed(args, target, drafter, sequences, dev, identity)
     if not learned:
         raise ValueError(f"no position to learn from in --sources {' '.join(args.sources)}: they hold no labelled "
                          f"position (--positions {args.positions}, --anchors {args.anchors}; empty files, chats "
@@ -211,7 +219,7 @@ def run(args) -> int:
 
 def check_disk_budget(args, drafter) -> None:
     """`ValueError` saying what the run needs when `--max-disk-gb` cannot hold one optimizer step's positions."""
-    each = position_bytes(drafter)
+    each = position_bytes(drafter, args.soft_targets)
     limit = int(args.max_disk_gb * 1e9 // each)
     if limit >= args.train_batch_size:
         return
@@ -229,7 +237,7 @@ def _train_streamed(args, target, drafter, sequences: Iterator[TextSequence], de
     from .distill_stream import DistilTrainer, StreamConfig, distil_stream
 
     trainer = DistilTrainer(drafter, args.output_dir, fingerprint, lr=args.lr, batch_size=args.train_batch_size,
-                            seed=args.seed)
+                            seed=args.seed, soft_weight=args.soft_weight)
     resumed = trainer.resume()
     stream = trainer.stream  # the checkpoint's, when resumed
     if resumed:
@@ -237,7 +245,7 @@ def _train_streamed(args, target, drafter, sequences: Iterator[TextSequence], de
               f"{stream['positions_seen']:,} positions distilled")
     config = StreamConfig(batch_size=args.batch_size, buffer_positions=args.buffer_positions, passes=args.passes,
                           max_positions=args.max_positions, eval_every=args.eval_every, save_every=args.save_every,
-                          anchors=args.anchors)
+                          anchors=args.anchors, soft_targets=args.soft_targets)
     print(f"[distil] streaming up to {args.max_positions:,} positions through a buffer of {args.buffer_positions:,}; "
           f"{config.total_steps(args.train_batch_size):,} steps of {args.train_batch_size}")
     distil_stream(target, drafter, sequences, trainer, dev, config)
@@ -252,15 +260,17 @@ def _train_streamed(args, target, drafter, sequences: Iterator[TextSequence], de
 def _train_stored(args, target, drafter, sequences: Iterator[TextSequence], dev: dict, shards: PositionShards) -> int:
     """Store the positions distilled from `sequences` within `--max-disk-gb`, then train on them; returns how many
     were stored (0: nothing trained)."""
-    limit = min(args.max_positions, int(args.max_disk_gb * 1e9 // position_bytes(drafter)))
+    each = position_bytes(drafter, args.soft_targets)
+    limit = min(args.max_positions, int(args.max_disk_gb * 1e9 // each))
     state = distil_to_shards(target, drafter, sequences, shards, limit, batch_size=args.batch_size,
-                             anchors=args.anchors)
+                             anchors=args.anchors, soft_k=args.soft_targets)
     if not state["positions"]:
         return 0
     print(f"[distil] {state['positions']:,} positions stored in {shards.directory} "
-          f"({state['positions'] * position_bytes(drafter) / 1e9:.2f} GB of --max-disk-gb {args.max_disk_gb})")
+          f"({state['positions'] * each / 1e9:.2f} GB of --max-disk-gb {args.max_disk_gb})")
     data = shards.load()
-    trainer = Depth1Trainer(drafter, args.output_dir, lr=args.lr, batch_size=args.train_batch_size, seed=args.seed)
+    trainer = Depth1Trainer(drafter, args.output_dir, lr=args.lr, batch_size=args.train_batch_size, seed=args.seed,
+                            soft_weight=args.soft_weight)
     if trainer.resume():
         print(f"[distil] resumed at step {trainer.step}")
     total = math.ceil(args.passes * len(data["label"]) / args.train_batch_size)

@@ -3,8 +3,9 @@
 `distil_batch` runs B windows (right-padded) through the target in one forward: the features at
 `drafter.config.target_layer_ids` and the label `argmax lm_head(h_final[a])`; then drafter passes, the depth-1 head
 off, give the anchor-slot state `h_1`. Out come `depth1.FIELDS`: features at `a - 1` and `h_1` in bf16, `x_a`, the
-label. `distil_to_shards` stores them within a position budget (`treespark distil --max-disk-gb`);
-`distill_stream.py` trains on them as they come.
+label (and, with `soft_k`, the target's top-K from the same logits: `soft_targets.SOFT_FIELDS`).
+`distil_to_shards` stores them within a position budget (`treespark distil --max-disk-gb`); `distill_stream.py`
+trains on them as they come.
 """
 
 from __future__ import annotations
@@ -18,14 +19,17 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..decoding.engine import feature_indices, last_logits_only, select_features, synchronised_clock
+from . import soft_targets as soft
 from .depth1 import FIELDS, SHARD_POSITIONS, PositionShards, head_off
 from .distill_sources import TextSequence
 
 
-def position_bytes(drafter) -> int:
-    """Bytes of one stored position: features and `h_1` in bf16, token and label as int64."""
+def position_bytes(drafter, soft_k: int = 0) -> int:
+    """Bytes of one stored position: features and `h_1` in bf16, token and label as int64, and `soft_k` soft
+    targets (an int32 id and an fp16 probability each)."""
     config = drafter.config
-    return 2 * config.num_target_features * config.target_hidden_size + 2 * config.hidden_size + 16
+    return (2 * config.num_target_features * config.target_hidden_size + 2 * config.hidden_size + 16
+            + soft.SOFT_BYTES * soft_k)
 
 
 def _tick(seconds: dict | None, phase: str, since: float, device: torch.device) -> float:
@@ -40,9 +44,11 @@ ANCHORS = ("agreeing", "all")
 
 @torch.no_grad()
 def distil_batch(target, drafter, sequences: list[TextSequence], chunk: int = 96, pieces_per_pass: int = 4,
-                 seconds: dict | None = None, anchors: str = "agreeing") -> dict[str, torch.Tensor]:
+                 seconds: dict | None = None, anchors: str = "agreeing", soft_k: int = 0) -> dict[str, torch.Tensor]:
     """The labelled positions of `sequences`, row by row: `{"features": [n, n_layers * d_target] bf16 (at a - 1),
-    "hidden": [n, H] bf16 (h_1, the head off), "token": [n] (x_a), "label": [n] (the target's argmax at a)}`.
+    "hidden": [n, H] bf16 (h_1, the head off), "token": [n] (x_a), "label": [n] (the target's argmax at a)}`, and
+    with `soft_k > 0` `{"soft_ids", "soft_probs"}` `[n, soft_k]`: the target's top-K at `a` in the draft vocabulary
+    (`soft_targets.top_k_targets`), from the logits that give the label.
 
     `anchors="agreeing"` keeps only the anchors whose token is the target's own argmax at the position before
     (`x_a = argmax p(. | x_..a-1)`), as every anchor at inference is (an accepted token or the target's bonus); "all"
@@ -76,20 +82,21 @@ def distil_batch(target, drafter, sequences: list[TextSequence], chunk: int = 96
     else:
         needed = labelled
     rows, cols = needed.nonzero(as_tuple=True)  # row-major, positions ascending
-    final = out.hidden_states[-1][rows, cols]
     argmax = torch.full_like(ids, -1)
-    argmax[rows, cols] = torch.cat([head(final[i:i + 1024]).argmax(-1) for i in range(0, max(len(rows), 1), 1024)])
+    picked, top = soft.head_argmax_and_top_k(head, out.hidden_states[-1][rows, cols], soft_k, drafter.draft_vocab_ids)
+    argmax[rows, cols] = picked  # top: rows of `needed`, row-major
     if anchors == "agreeing":
         labelled = labelled & F.pad(argmax[:, :-1] == ids[:, 1:], (1, 0))
     rows, cols = labelled.nonzero(as_tuple=True)
     label = argmax[rows, cols]
+    top = {k: v[(needed.flatten().cumsum(0) - 1).view_as(ids)[rows, cols]] for k, v in top.items()}  # [n, K] each
     clock = _tick(seconds, "target", clock, device)
     half = features.dtype if features.dtype in (torch.bfloat16, torch.float16) else None
     with torch.autocast(device.type, dtype=half, enabled=half is not None):  # the target's precision, as at inference
         hidden = _anchor_states(drafter, ids, features, labelled, chunk, pieces_per_pass)
     _tick(seconds, "drafter", clock, device)
     return {"features": features[rows, cols - 1].to(torch.bfloat16), "hidden": hidden.to(torch.bfloat16),
-            "token": ids[rows, cols], "label": label}
+            "token": ids[rows, cols], "label": label, **top}
 
 
 def _anchor_states(drafter, ids: torch.Tensor, features: torch.Tensor, labelled: torch.Tensor, chunk: int,
@@ -131,11 +138,13 @@ def _batched(items: Iterable, size: int) -> Iterator[list]:
 
 def distil_to_shards(target, drafter, sequences: Iterable[TextSequence], shards: PositionShards, max_positions: int,
                      batch_size: int = 8, shard_positions: int = SHARD_POSITIONS, progress: bool = True,
-                     anchors: str = "agreeing") -> dict:
+                     anchors: str = "agreeing", soft_k: int = 0) -> dict:
     """Store the positions distilled from `sequences` in `shards`, up to `max_positions` in all, going on after the
-    sequences done (`references_done` counts sequences here; the one cut at the limit counts as done)."""
+    sequences done (`references_done` counts sequences here; the one cut at the limit counts as done); with the
+    target's top-`soft_k` soft targets when `soft_k > 0`."""
     state = shards.progress()
-    columns, pending, done = {k: [] for k in FIELDS}, 0, state["references_done"]
+    fields = FIELDS + (soft.SOFT_FIELDS if soft_k else ())
+    columns, pending, done = {k: [] for k in fields}, 0, state["references_done"]
     batches = _batched(islice(sequences, done, None), batch_size)
     bar = tqdm(total=max_positions, initial=state["positions"], unit="position", desc="distilling positions",
                disable=not progress)
@@ -144,12 +153,12 @@ def distil_to_shards(target, drafter, sequences: Iterable[TextSequence], shards:
         if batch is None:
             break
         room = max_positions - state["positions"] - pending
-        for k, v in distil_batch(target, drafter, batch, anchors=anchors).items():
+        for k, v in distil_batch(target, drafter, batch, anchors=anchors, soft_k=soft_k).items():
             columns[k].append(v[:room].cpu())
         pending, done = pending + len(columns["label"][-1]), done + len(batch)
         bar.update(len(columns["label"][-1]))
         if pending >= shard_positions:
-            state, columns, pending = shards.write(columns, state, done), {k: [] for k in FIELDS}, 0
+            state, columns, pending = shards.write(columns, state, done), {k: [] for k in fields}, 0
     if pending:
         state = shards.write(columns, state, done)
     bar.close()

@@ -27,6 +27,7 @@ from pathlib import Path
 from ..hub import assets
 from ..records import json_records
 from .data import _alternating_messages, _chat_to_messages, _int_list
+from .held_out import asks_evaluated, evaluated_texts
 
 SHAREGPT = "sharegpt"
 POSITIONS = ("assistant", "all")
@@ -89,12 +90,15 @@ def text_sequences(sources: list[str], tokenizer, positions: str = "assistant",
 
 def _sharegpt_conversations() -> Iterator[tuple[str, list[dict[str, str]]]]:
     """`("{id}@{file position}", messages)` of the ShareGPT records outside the held-out band whose turns alternate
-    human / assistant from a human turn (others are skipped, as `data.sharegpt_later_turn_prompts` skips them)."""
+    human / assistant from a human turn (others are skipped, as `data.sharegpt_later_turn_prompts` skips them), and
+    none of whose turns is a text the bench, the development set or calibration asks (`held_out.asks_evaluated`:
+    ShareGPT repeats popular questions word for word across records)."""
+    evaluated = evaluated_texts()
     for position, record in assets.iter_sharegpt():
         if assets.SHAREGPT_HELDOUT_POSITION <= position < assets.SHAREGPT_TAIL_POSITION:
             continue  # evaluation's records: never training text
         messages = _alternating_messages(record.get("conversations") or [])
-        if messages:
+        if messages and not asks_evaluated(messages, evaluated):
             yield f"{record.get('id')}@{position}", messages
 
 

@@ -18,9 +18,9 @@ from itertools import islice
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from . import soft_targets as soft
 from .depth1 import Depth1Trainer
 from .distill_extract import _batched, distil_batch
 from .distill_sources import TextSequence
@@ -37,6 +37,7 @@ class StreamConfig:
     eval_every: int = 500  # optimizer steps between development evaluations
     save_every: int = 500  # optimizer steps between checkpoints
     anchors: str = "agreeing"  # which labelled positions are anchors (`distil_batch`)
+    soft_targets: int = 0  # the target's top-K recorded per position for the soft loss (`soft_targets.py`); 0: none
 
     def total_steps(self, train_batch: int) -> int:
         return math.ceil(self.passes * self.max_positions / train_batch)
@@ -78,11 +79,13 @@ class DistilTrainer(Depth1Trainer):
         self.stream = {"sequences_done": 0, "positions_seen": 0, "credit": 0.0, "seconds": 0.0}
 
     def train_step(self, data: dict[str, torch.Tensor], rows: torch.Tensor, total_steps: int) -> float:
-        """One AdamW step on `rows` of `data` at `rate(total_steps)`: `CE(logits, label)`, as `Depth1Trainer.train`."""
+        """One AdamW step on `rows` of `data` at `rate(total_steps)`: `soft.head_loss` (`CE(logits, label)` mixed with
+        the soft targets' by `soft_weight`), as `Depth1Trainer.train`."""
         self.drafter.train()
         for group in self.optimizer.param_groups:
             group["lr"] = self.rate(total_steps)
-        loss = F.cross_entropy(self.logits(data, rows), self.draft_index[data["label"][rows]], ignore_index=-100)
+        loss = soft.head_loss(self.logits(data, rows), self.draft_index[data["label"][rows]], data, rows,
+                              self.soft_weight)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.optimizer.step()
@@ -105,8 +108,9 @@ class DistilTrainer(Depth1Trainer):
         except Exception as e:  # a file cut by a crash: refused, not half-loaded
             raise ValueError(f"{path} is damaged ({type(e).__name__}: {e}); delete it to start over") from None
         if state.get("fingerprint") != self.fingerprint:
-            raise ValueError(f"{path} belongs to another run (other --sources, --positions, --max-length or --drafter, "
-                             "or not a distil run): give the same options to resume it, or another --output-dir")
+            raise ValueError(f"{path} belongs to another run (other --sources, --positions, --max-length, --drafter or "
+                             "--soft-targets, or not a distil run): give the same options to resume it, or another "
+                             "--output-dir")
         self.drafter.depth1_head.load_state_dict(state["head"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.stream = state["step"], dict(state["stream"])
@@ -158,7 +162,7 @@ def distil_stream(target, drafter, sequences: Iterable[TextSequence], trainer: D
     if trainer.step == 0 and stream["positions_seen"] == 0:
         record()
     began = time.perf_counter()
-    source = _refill(buffer, iter(sequences), stream, target, drafter, config.anchors)
+    source = _refill(buffer, iter(sequences), stream, target, drafter, config.anchors, config.soft_targets)
     since["eval"] += time.perf_counter() - began  # re-distilling what the checkpoint held is not throughput
     while buffer.size and stream["credit"] >= 1 and trainer.step < total:
         step()  # the steps owed to the forward the checkpoint was written in, as the interrupted run took them
@@ -168,8 +172,8 @@ def distil_stream(target, drafter, sequences: Iterable[TextSequence], trainer: D
         if batch is None:
             break
         room = config.max_positions - stream["positions_seen"]
-        columns = {k: v[:room] for k, v in distil_batch(target, drafter, batch, seconds=phases,
-                                                                      anchors=config.anchors).items()}
+        columns = {k: v[:room] for k, v in distil_batch(target, drafter, batch, seconds=phases, anchors=config.anchors,
+                                                        soft_k=config.soft_targets).items()}
         _remember(stream["buffer"], buffer, stream["sequences_done"], len(batch), len(columns["label"]))
         buffer.add(columns)
         n = len(columns["label"])
@@ -204,7 +208,7 @@ def _remember(kept: dict, buffer: PositionBuffer, first: int, count: int, positi
 
 
 def _refill(buffer: PositionBuffer, sequences: Iterator[TextSequence], stream: dict, target, drafter,
-            anchors: str) -> Iterator[TextSequence]:
+            anchors: str, soft_k: int = 0) -> Iterator[TextSequence]:
     """Put back into `buffer` the positions it held at the checkpoint `stream` comes from, by distilling again the
     windows `stream["buffer"]` lists, into the same ring slots; they are not counted again. Returns `sequences`
     advanced to the first window not yet distilled (`stream["sequences_done"]`). A checkpoint without the list
@@ -220,5 +224,6 @@ def _refill(buffer: PositionBuffer, sequences: Iterator[TextSequence], stream: d
     buffer.cursor = kept["cursor"]
     for _, count, positions in kept["windows"]:
         batch = list(islice(source, count))
-        buffer.add({k: v[:positions] for k, v in distil_batch(target, drafter, batch, anchors=anchors).items()})
+        buffer.add({k: v[:positions] for k, v in distil_batch(target, drafter, batch, anchors=anchors,
+                                                              soft_k=soft_k).items()})
     return source

@@ -11,7 +11,8 @@ Sources (`treespark answers --prompts`), each an iterator of `data.Prompt`:
 
 No source reads a held-out ShareGPT record (positions 12,000 to 13,999: the benchmark, calibration and the
 development set) or any other evaluation set: the ShareGPT readers stop before the band or start after it
-(tests/test_prompt_supply.py checks every position they yield).
+(tests/test_prompt_supply.py checks every position they yield), and skip a turn whose text evaluation reads
+where ShareGPT repeats it outside the band (`held_out.evaluated_texts`; tests/test_held_out.py checks every source).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Iterator
 from ..hub import assets
 from .answers import AnswerConfig, AnswerGenerator
 from .data import Prompt, _alternating_messages, parse_mixture_spec
+from .held_out import evaluated_texts, normalised
 
 SELF_SOURCE = "self"
 STANDALONE_SOURCE = "sharegpt_standalone"
@@ -39,13 +41,14 @@ def sharegpt_positions() -> Iterator[tuple[int, dict]]:
 
 
 def standalone_turn_prompts(min_chars: int = 16) -> Iterator[Prompt]:
-    """ShareGPT's later human turns of at least `min_chars` characters, each a one-turn chat; id
-    `"{record id}@{position}#{turn index}/alone"`."""
+    """ShareGPT's later human turns of at least `min_chars` characters, each a one-turn chat, but those that
+    evaluation asks (`held_out.evaluated_texts`); id `"{record id}@{position}#{turn index}/alone"`."""
+    evaluated = evaluated_texts()
     for position, record in sharegpt_positions():
         messages = _alternating_messages(record.get("conversations") or [])
         for index in range(2, len(messages or []), 2):
             text = messages[index]["content"]
-            if len(text) >= min_chars:
+            if len(text) >= min_chars and normalised(text) not in evaluated:
                 yield Prompt(id=f"{record.get('id')}@{position}#{index}/alone",
                              messages=[{"role": "user", "content": text}], source=STANDALONE_SOURCE)
 

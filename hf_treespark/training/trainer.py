@@ -26,6 +26,7 @@ from ..precision import auto_dtype
 from .checkpoints import TrainerCheckpoints, _jsonable, publish_state
 from .data import check_token_ids, collate_references
 from .feature_cache import FeatureCache, FeatureCacheMismatch, cache_signature, fill_feature_cache
+from .freeze import freeze_all_but, resolve_parts
 from .losses import normalise
 from .objective import LABELS, LOSS_NAMES, LossConfig, TrainingObjective
 
@@ -72,6 +73,7 @@ class TrainConfig:
     eval_budget: int = 8  # tree budget N of those evaluations
     loss: LossConfig = field(default_factory=LossConfig)
     labels: str = "text"  # L_ce's label: the sequence's next token, or the target's own argmax there (`objective`)
+    train_only: str | list[str] | None = None  # drafter parts to train, the rest frozen (`freeze`); None: all
 
     def __post_init__(self):
         if self.preset not in PRESETS:
@@ -211,10 +213,14 @@ class Trainer(TrainerCheckpoints):
         cfg = drafter.config
         self.policy = replay_policy(cfg)
         self.objective = TrainingObjective(self.drafter, config.loss, self.policy, labels=config.labels)
+        # `train_only`: the frozen parts get no gradient and no AdamW state (None: the whole drafter trains)
+        self.trained_parts = resolve_parts(config.train_only, cfg)
+        trained = self.drafter.parameters() if self.trained_parts is None else freeze_all_but(self.drafter,
+                                                                                               self.trained_parts)
         # The fused kernel: one pass per tensor instead of several (measured 58 vs 249 ms per step for the
         # drafter's 27M parameters on a 2-core CPU, most of them the Markov head's W1 rows).
         fused = {"fused": True} if self.accelerator.device.type in ("cpu", "cuda") else {}
-        self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=config.lr, weight_decay=config.weight_decay,
+        self.optimizer = torch.optim.AdamW(trained, lr=config.lr, weight_decay=config.weight_decay,
                                            betas=tuple(config.adam_betas), eps=config.adam_eps, **fused)
         world = self.accelerator.num_processes
         batches_per_epoch = math.ceil(len(references) / (config.batch_size * world))
@@ -235,6 +241,7 @@ class Trainer(TrainerCheckpoints):
         self.anchors_seen = 0  # training anchors in those steps, over all processes
         self.pad_id = 0
         self.dev_references = None  # `set_dev_set`: references of the learning curve
+        self.best = None  # the best development evaluation so far, `{"step", "score"}` (`best_checkpoint`)
 
     def _set_peak_lr(self, lr: float) -> None:
         """Rescale the schedule to the peak `lr` (a resumed scheduler would keep the checkpoint's)."""
@@ -395,7 +402,9 @@ class Trainer(TrainerCheckpoints):
         self.dev_references = references
 
     def evaluate(self, metrics_path: Path) -> dict:
-        """Acceptance on the development set (`training.evaluate.reference_acceptance`), appended to metrics."""
+        """Acceptance on the development set (`training.evaluate.reference_acceptance`), appended to metrics; a
+        drafter that scores above every earlier evaluation is written to OUTPUT_DIR/best (`best_checkpoint`)."""
+        from .best_checkpoint import best_state, improves, publish_best
         from .evaluate import reference_acceptance
 
         if self.dev_references is None:
@@ -411,6 +420,9 @@ class Trainer(TrainerCheckpoints):
             self.output_dir.mkdir(parents=True, exist_ok=True)
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+            if improves(record, self.best):
+                publish_best(drafter, self.output_dir, record)
+                self.best = best_state(record)
         self.accelerator.wait_for_everyone()
         return record
 
