@@ -26,11 +26,11 @@ from __future__ import annotations
 import gzip
 import json
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 from ..hub import assets
 from .data import ReferenceSequence, load_references
+from .dev_prompts import DevPrompt, math_dev_prompts
 
 DEV_SET_PATH = Path(__file__).resolve().parents[2] / "training_data" / "dev" / "dev_set.jsonl.gz"
 DEV_KINDS = ("chat", "code", "writing", "math", "second_turn")
@@ -38,7 +38,6 @@ MAX_PROMPT_TOKENS = 512  # a first turn (and the first turn of a second-turn pro
 MAX_SECOND_TURN_TOKENS = 768  # a second-turn prompt with its history, the answer counted at MAX_NEW_TOKENS
 MAX_NEW_TOKENS = 256  # as the training answers
 DEV_MAX_LENGTH = MAX_SECOND_TURN_TOKENS + MAX_NEW_TOKENS  # every reference whole: read at this length everywhere
-MATH_PROMPTS = 48  # CHAMP concepts taken, evenly spread over the 87 distinct ones
 
 _CODE = re.compile(
     r"```|\b(python|javascript|typescript|java|c\+\+|c#|sql|mysqli?|postgres\w*|mongo\w*|html5?|css|react|node\.?js|"
@@ -55,17 +54,6 @@ _WRITING_PIECE = re.compile(
     r"sonnet|haiku|song|lyrics|chant|essay|article|blog|post|e-?mail|letter|speech|sermon|script|screenplay|ebook|"
     r"novel|slogan|caption|tweets?|headlines?|bio|profile|cover letter|nominations?|journal|dialogue|conversation|"
     r"summary|description|names)\b", re.IGNORECASE)
-
-
-@dataclass(frozen=True)
-class DevPrompt:
-    """One development prompt: `messages` (the chat to answer; for a `second_turn`, its first turn only) and, for a
-    `second_turn`, the `follow_up` asked after the target's answer to that first turn."""
-
-    id: str
-    kind: str
-    messages: tuple[dict, ...]
-    follow_up: str | None = None
 
 
 def prompt_kind(text: str) -> str:
@@ -132,23 +120,6 @@ def _follow_up(tokenizer, turns: list[dict]) -> str | None:
     if len(text) < 16 or _length(tokenizer, conversation) + MAX_NEW_TOKENS > MAX_SECOND_TURN_TOKENS:
         return None
     return text
-
-
-def math_dev_prompts(count: int = MATH_PROMPTS) -> list[DevPrompt]:
-    """`count` of CHAMP's distinct concepts, evenly spread over the file (grouped by topic there), each asked as
-    "explain why this holds, step by step, with a small example". Ids: `"champ:{concept identifier}"`."""
-    distinct, seen = [], set()
-    for identifier, name, statement in assets.champ_concepts():
-        if statement.strip() not in seen:
-            seen.add(statement.strip())
-            distinct.append((identifier, name, statement.strip()))
-    chosen = distinct if count >= len(distinct) else [distinct[i * len(distinct) // count] for i in range(count)]
-    prompts = []
-    for identifier, name, statement in chosen:
-        ask = f"Explain the {name}: why it holds" if name else "Explain why this holds"
-        text = f"{ask}, step by step, with a small example.\n\n{statement}"
-        prompts.append(DevPrompt(f"champ:{identifier}", "math", ({"role": "user", "content": text},)))
-    return prompts
 
 
 def dev_prompts(tokenizer) -> list[DevPrompt]:

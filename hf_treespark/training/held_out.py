@@ -36,7 +36,7 @@ def evaluated_texts() -> frozenset[str]:
     HumanEval and CHAMP packages (one pass over the ShareGPT file)."""
     from ..bench import suites
     from ..hub import assets
-    from .dev_set import math_dev_prompts
+    from .dev_prompts import math_dev_prompts
 
     texts = set()
     for position, record in assets.iter_sharegpt(assets.SHAREGPT_HELDOUT_POSITION):
