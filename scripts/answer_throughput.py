@@ -34,7 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-prompt-tokens", type=at_least(1), default=384)
     parser.add_argument("--spare", type=at_least(1), default=128,
                         help="cache slots beyond the longest row span (decoding steps between rolls)")
-    parser.add_argument("--chunk-rows", type=at_least(0), default=16, help="rows sharing an attention window")
+    parser.add_argument("--chunk-rows", type=at_least(0), default=8, help="rows sharing an attention window")
+    parser.add_argument("--sort-every", type=at_least(1), default=32,
+                        help="decoding steps between two sorts of the rows")
+    parser.add_argument("--no-pack", action="store_true", help="leave the target's linear layers unpacked (the "
+                        "generator's run; the baseline always runs unpacked, as `treespark train --regenerate` does)")
     parser.add_argument("--no-baseline", action="store_true", help="time the continuous generator only")
     parser.add_argument("--output", help="write the table's rows as JSON here")
     args = parser.parse_args(argv)
@@ -73,16 +77,21 @@ def main(argv: list[str] | None = None) -> int:
         answers["baseline"] = baseline
         print(rows[-1], flush=True)
 
+    if not args.no_pack:
+        from hf_treespark import pack_linear_layers
+
+        pack_linear_layers(target)  # as `treespark answers --cpu-pack auto` does on a CPU
     for slots in args.slots:
         config = AnswerConfig(slots=slots, max_new_tokens=args.max_new_tokens,
                               max_prompt_tokens=args.max_prompt_tokens, spare=args.spare,
-                              chunk_rows=args.chunk_rows)
+                              chunk_rows=args.chunk_rows, sort_every=args.sort_every)
         generator = AnswerGenerator(target, eos, config)
         began = time.perf_counter()
         got = {a.key: a.response_ids for a in generator.run((p.id, ids) for p, ids in prompts)}
         seconds = time.perf_counter() - began
         tokens = sum(len(r) for r in got.values())
-        row = {"method": f"continuous, {slots} rows", "answers": len(got), "tokens": tokens,
+        label = f"continuous, {slots} rows" + (", unpacked" if args.no_pack else "")
+        row = {"method": label, "answers": len(got), "tokens": tokens,
                "seconds": round(seconds, 1), "tokens_per_s": round(tokens / seconds, 1),
                "steps": generator.steps, "prefills": generator.prefills, "rolls": generator.rolls}
         if "baseline" in answers:

@@ -31,7 +31,8 @@ def test_smoke_run_covers_every_suite_and_method_and_checks_exactness(tmp_path):
     assert report["config"]["dtype"] == "float32" and report["config"]["tree_budget"] == 8
     rows = {(r["suite"], r["method"]): r for r in report["results"]}
     methods = bench_methods.DEFAULT_METHODS + ("baseline_chain", "baseline_datastore")  # all but the opt-in A/Bs
-    assert set(bench_methods.METHODS) - set(methods) == {"treespark_unguarded", "treespark_priced"}
+    assert set(bench_methods.METHODS) - set(methods) == {"treespark_unguarded", "treespark_priced",
+                                                         "treespark_no_datastore", "treespark_no_lookup"}
     assert set(rows) == {(s, m) for s in bench_suites.SUITES for m in methods}
     for (suite, method), row in rows.items():
         assert row["prompts"] == 1 and row["exact"] == 1, (suite, method)
@@ -78,7 +79,7 @@ def test_smoke_run_covers_every_suite_and_method_and_checks_exactness(tmp_path):
                for kind in ("drafter", "lookup"))
     # every pair of bench_report.PAIRS whose methods ran did so on every suite, so each appears in the paired table
     ran = [p for p in bench_report.PAIRS if set(p) <= set(methods)]
-    assert len(ran) == len(bench_report.PAIRS) - 2  # not the two opt-in A/Bs
+    assert len(ran) == len(bench_report.PAIRS) - 4  # not the four opt-in A/Bs
     assert len(report["paired_differences"]) == len(ran) * len(bench_suites.SUITES)
     assert "Paired per-prompt differences" in table
     shares = assert_sources_table_adds_up(table, rows)

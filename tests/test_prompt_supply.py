@@ -78,6 +78,7 @@ def test_self_written_questions_are_seeded_and_a_restart_goes_on_from_where_it_s
 
 
 def test_the_answers_command_writes_shards_resumes_and_refuses_other_options(tmp_path, monkeypatch, capsys):
+    from hf_treespark.core.cpu_gemm import model_is_packed, packing_available, unpack_linear_layers
     from hf_treespark.training import cli as training_cli
 
     target = make_target("llama")
@@ -94,6 +95,7 @@ def test_the_answers_command_writes_shards_resumes_and_refuses_other_options(tmp
                                                   *extra]))
 
     assert run("--num-prompts", "5") == 0
+    assert model_is_packed(target) == packing_available()  # --cpu-pack auto: packed on a CPU with oneDNN
     shards = sorted((tmp_path / "out").glob("answers-*.jsonl.gz"))
     records = [json.loads(line) for path in shards for line in gzip.open(path, "rt")]
     assert len(shards) == 3 and len(records) == 5
@@ -106,6 +108,9 @@ def test_the_answers_command_writes_shards_resumes_and_refuses_other_options(tmp
     assert "4 answers" in capsys.readouterr().out
     with pytest.raises(ValueError, match="other max_new_tokens"):
         run("--num-prompts", "9", "--max-new-tokens", "6")
+    unpack_linear_layers(target)
+    assert run("--num-prompts", "10", "--cpu-pack", "off") == 0  # the answers' options are the same: it goes on
+    assert not model_is_packed(target)
 
 
 @pytest.mark.parametrize("argv, message", [

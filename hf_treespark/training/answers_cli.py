@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..help_format import add_device_option, resolve_device
+from ..help_format import CPU_PACK_CHOICES, CPU_PACK_HELP, add_device_option, cpu_pack_option, resolve_device
 from .prompt_supply import SELF_SOURCE, SOURCES
 
 HELP = "the target's own answers to an endless prompt supply, continuously batched (resumable; see --help)"
@@ -46,6 +46,7 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     add_device_option(p, help="where the target runs: cpu, cuda or cuda:N; auto: cuda when this machine has a CUDA "
                               "GPU, else cpu")
+    p.add_argument("--cpu-pack", choices=CPU_PACK_CHOICES, default="auto", help=CPU_PACK_HELP)
     p.add_argument("--output-dir", required=True, help="where the shards go; rerun to resume")
 
 
@@ -107,6 +108,7 @@ def run(args) -> int:
     sources = check_arguments(args)
     from tqdm.auto import tqdm
 
+    from ..core.cpu_gemm import pack_linear_layers, should_pack
     from .answers import AnswerConfig, AnswerGenerator, AnswerShards
     from .cli import load_target
     from .data import _eos_ids
@@ -123,6 +125,8 @@ def run(args) -> int:
         print(f"[answers] {out} already holds {len(done):,} answers (--num-prompts {args.num_prompts:,})")
         return 0
     target, tokenizer = load_target(args.target, with_tokenizer=True, device=args.device)
+    if should_pack(cpu_pack_option(args.cpu_pack), args.device):
+        pack_linear_layers(target)  # about 6% more answer tokens/s on a 2-core bf16 CPU (docs/answers.md)
     eos = _eos_ids(target, tokenizer)
     written = QuestionFilter()
     self_start = 0
