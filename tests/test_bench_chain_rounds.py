@@ -15,7 +15,7 @@ def test_prompt_lookups_rounds_add_up_to_what_it_generated():
     torch.manual_seed(0)
     phrase = torch.randint(5, 200, (1, 6))
     ids = torch.cat([phrase] * 5, dim=1)  # a repeated phrase: prompt lookup finds candidates
-    counter = ForwardCounter(target)
+    counter = ForwardCounter(target, log=True)
     try:
         out = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                               max_new_tokens=24, prompt_lookup_num_tokens=5)

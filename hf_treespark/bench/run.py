@@ -75,13 +75,16 @@ class ForwardCounter:
     """Counts the target's forward calls (one per prefill, verify round, or plain decoding step), and logs when each
     began, the tokens it was given and the cache length before it (`chain_rounds`)."""
 
-    def __init__(self, model):
+    def __init__(self, model, log: bool = False):
         self.count = 0
+        self.logging = log  # only where `chain_rounds` is read: nothing more on the timed path of the other methods
         self.log: list[tuple[float, int, int]] = []  # (perf_counter at the call, input tokens, cache length)
         self._handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
 
     def _hook(self, module, args, kwargs):
         self.count += 1
+        if not self.logging:
+            return
         ids = kwargs.get("input_ids", args[0] if args else None)
         positions = kwargs.get("position_ids")  # the first input token's position: the cache length before it
         if positions is not None:
@@ -195,7 +198,7 @@ def run_benchmark(target, tokenizer, drafters: dict, suites=SUITES, methods=None
                 drafter = drafters.get(method.drafter)
                 timer = PhaseTimer() if drafter is not None else None  # each source's share of the time
                 timed = method if timer is None else replace(method, kwargs={**method.kwargs, "tree_timer": timer})
-                counter = ForwardCounter(target)
+                counter = ForwardCounter(target, log=method.name == "prompt_lookup")
                 start = time.perf_counter()
                 try:
                     sequences, rounds = _generate(target, inputs, timed, drafter, max_new_tokens, fixed_budget)
